@@ -1,0 +1,192 @@
+"""Rewards: EasyR1's r1v and math graders on the real geometry3k answers, loading, failure handling."""
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from vlgrpo import rewards
+from vlgrpo.rewards import load_reward_function, math, r1v, score_responses
+
+GEOMETRY3K = Path(__file__).resolve().parents[2] / "shared" / "data" / "geometry3k"
+
+
+@pytest.fixture(scope="module")
+def gold_answers() -> list[str]:
+    if not (GEOMETRY3K / "train.parquet").is_file():
+        pytest.skip(f"shared geometry3k data not found at {GEOMETRY3K}")
+    import pyarrow.parquet as pq
+
+    answers = []
+    for split in ("train", "validation", "test"):
+        answers += pq.read_table(GEOMETRY3K / f"{split}.parquet", columns=["answer"]).column("answer").to_pylist()
+    return answers
+
+
+def _wrong_number(answer: str) -> str | None:
+    """The answer with its first digit changed (2 -> 3, 9 -> 0); None if it has no digit."""
+    match = re.search(r"\d", answer)
+    if match is None:
+        return None
+    digit = str((int(match.group()) + 1) % 10)
+    return answer[: match.start()] + digit + answer[match.end() :]
+
+
+def test_all_geometry3k_answers_are_read(gold_answers):
+    assert len(gold_answers) == 3002
+    assert all(isinstance(a, str) and a for a in gold_answers)
+
+
+def test_every_gold_answer_in_r1v_format_scores_1(gold_answers):
+    failed = [a for a in gold_answers if r1v(f"<think>reasoning</think>\n<answer>{a}</answer>", a)["overall"] != 1.0]
+    assert failed == []
+
+
+def test_every_gold_answer_in_math_format_scores_1(gold_answers):
+    failed = [a for a in gold_answers if math(f"<think>reasoning</think> so \\boxed{{{a}}}.", a)["overall"] != 1.0]
+    assert failed == []
+
+
+def test_a_wrong_number_scores_accuracy_0(gold_answers):
+    distinct = sorted(set(gold_answers))
+    pairs = [(a, w) for a in distinct if (w := _wrong_number(a)) is not None]
+    assert len(pairs) > 0.95 * len(distinct)  # nearly every geometry3k answer has a digit
+    graded_right = [(a, w) for a, w in pairs if r1v(f"<think>t</think><answer>{w}</answer>", a)["accuracy"] != 0.0]
+    assert graded_right == []
+    scores = r1v("<think>t</think><answer>7</answer>", "8")
+    assert scores == {"overall": 0.5, "format": 1.0, "accuracy": 0.0}
+    assert math("<think>t</think>\\boxed{7}", "8") == {"overall": pytest.approx(0.1), "format": 1.0, "accuracy": 0.0}
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("<think>a</think><answer>3</answer>", (1.0, 1.0)),
+        ("<think>a</think> \n\t <answer>3</answer>", (1.0, 1.0)),  # whitespace between the blocks
+        ("<think>line\nline</think><answer> 3 </answer>", (1.0, 1.0)),  # DOTALL think, stripped answer
+        ("Sure. <think>a</think><answer>3</answer>", (0.0, 1.0)),  # text before <think>
+        ("<think>a</think><answer>3</answer> done", (0.0, 1.0)),  # text after </answer>
+        ("<think>a</think> so <answer>3</answer>", (0.0, 1.0)),  # text between the blocks
+        ("<think>a</think><answer>3", (0.0, 0.0)),  # missing </answer>: the whole response is graded
+        ("<answer>3</answer>", (0.0, 1.0)),  # no think block
+        # A newline inside the answer: format matches (DOTALL) but EasyR1's extraction regex is not
+        # DOTALL, so the whole response is graded and fails.
+        ("<think>a</think><answer>\n3\n</answer>", (1.0, 0.0)),
+        ("3", (0.0, 1.0)),  # bare answer: the whole stripped response is graded
+        ("<think>a</think><answer>3</answer><answer>4</answer>", (1.0, 1.0)),  # first answer counts
+    ],
+)
+def test_r1v_format_and_extraction_edge_cases(response, expected):
+    scores = r1v(response, "3")
+    assert (scores["format"], scores["accuracy"]) == expected
+    assert scores["overall"] == 0.5 * expected[0] + 0.5 * expected[1]
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("<think>a</think> The answer is \\boxed{3}.", (1.0, 1.0)),
+        ("< think >a< / think > \\boxed{3}", (1.0, 1.0)),  # spaces around < > / are removed first
+        ("pre <think>a</think>\\boxed{3}", (0.0, 1.0)),  # text before <think>
+        ("<think>a</think> \\boxed{4} then \\boxed{3}", (1.0, 1.0)),  # the last box counts
+        ("<think>a</think> \\boxed{\\frac{1}{2}}", (1.0, 0.0)),  # brace-balanced content 1/2 != 3
+        ("<think>a</think> 3", (0.0, 0.0)),  # no box
+        ("<think>a</think> \\boxed{3", (0.0, 0.0)),  # unclosed box
+    ],
+)
+def test_math_format_and_extraction_edge_cases(response, expected):
+    scores = math(response, "3")
+    assert (scores["format"], scores["accuracy"]) == expected
+    assert scores["overall"] == pytest.approx(0.1 * expected[0] + 0.9 * expected[1])
+
+
+def test_math_grades_brace_balanced_fraction():
+    assert math("<think>a</think>\\boxed{\\frac{ 4 }{ 11 }}", "\\frac { 4 } { 11 }")["accuracy"] == 1.0
+
+
+def test_format_weight_is_applied_and_checked():
+    assert r1v("<think>a</think><answer>2</answer>", "3", format_weight=0.2)["overall"] == pytest.approx(0.2)
+    assert math("<think>a</think>\\boxed{3}", "3", format_weight=0.0)["overall"] == 1.0
+    with pytest.raises(ValueError, match="format_weight"):
+        r1v("x", "3", format_weight=1.5)
+
+
+def test_load_builtins_with_and_without_format_weight():
+    assert load_reward_function("r1v", None) is r1v
+    assert load_reward_function("math", None) is math
+    fn = load_reward_function("r1v", 0.1)
+    assert fn("<think>a</think><answer>3</answer>", "4")["overall"] == pytest.approx(0.1)
+
+
+USER_REWARD = '''
+def length_reward(response, ground_truth, format_weight=0.25):
+    accuracy = float(response.strip() == ground_truth)
+    return {"overall": (1 - format_weight) * accuracy + format_weight, "format": 1.0,
+            "accuracy": accuracy, "length": float(len(response))}
+
+def no_weight(response, ground_truth):
+    return {"overall": 1.0, "format": 1.0, "accuracy": 1.0}
+
+VALUE = 3
+'''
+
+
+@pytest.fixture
+def user_file(tmp_path) -> Path:
+    path = tmp_path / "my_reward.py"
+    path.write_text(USER_REWARD)
+    return path
+
+
+def test_load_user_function(user_file):
+    fn = load_reward_function(f"{user_file}:length_reward", None)
+    assert fn("42", "42") == {"overall": 1.0, "format": 1.0, "accuracy": 1.0, "length": 2.0}
+    fn = load_reward_function(f"{user_file}:length_reward", 0.5)
+    assert fn("41", "42")["overall"] == 0.5
+
+
+def test_load_errors_name_the_problem(user_file, tmp_path):
+    with pytest.raises(ValueError, match="neither a built-in .*r1v, math"):
+        load_reward_function("r1V", None)
+    with pytest.raises(FileNotFoundError, match="missing.py"):
+        load_reward_function(f"{tmp_path / 'missing.py'}:fn", None)
+    with pytest.raises(AttributeError, match="no function 'nope'.*length_reward, no_weight"):
+        load_reward_function(f"{user_file}:nope", None)
+    with pytest.raises(AttributeError, match="no function 'VALUE'"):
+        load_reward_function(f"{user_file}:VALUE", None)
+    with pytest.raises(TypeError, match="takes no format_weight"):
+        load_reward_function(f"{user_file}:no_weight", 0.3)
+
+
+def test_score_responses_scores_a_raising_reward_0_and_counts_it(caplog):
+    def flaky(response, ground_truth):
+        if response == "boom":
+            raise RuntimeError("grader exploded")
+        return r1v(response, ground_truth)
+
+    responses = ["<think>a</think><answer>3</answer>", "boom", "<think>a</think><answer>4</answer>", "boom"]
+    with caplog.at_level(logging.WARNING, logger=rewards.__name__):
+        scores, n_failed = score_responses(flaky, responses, ["3"] * 4)
+    assert n_failed == 2
+    assert [s["overall"] for s in scores] == [1.0, 0.0, 0.5, 0.0]
+    assert scores[1] == {"overall": 0.0, "format": 0.0, "accuracy": 0.0}
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1  # once per call, not once per failure
+    assert "2 of 4" in warnings[0].getMessage() and "grader exploded" in warnings[0].getMessage()
+
+
+def test_score_responses_treats_a_broken_result_as_a_failure():
+    results = iter([{"overall": 1}, None, {"overall": 1, "format": 0, "accuracy": True, "extra": 2}])
+    scores, n_failed = score_responses(lambda r, g: next(results), ["a", "b", "c"], ["x"] * 3)
+    assert n_failed == 2
+    zeros = {"overall": 0.0, "format": 0.0, "accuracy": 0.0, "extra": 0.0}
+    assert scores == [zeros, zeros, {"overall": 1.0, "format": 0.0, "accuracy": 1.0, "extra": 2.0}]
+
+
+def test_score_responses_keeps_user_keys_and_checks_lengths(user_file):
+    fn = load_reward_function(f"{user_file}:length_reward", None)
+    scores, n_failed = score_responses(fn, ["42", "7"], ["42", "42"])
+    assert n_failed == 0 and [s["length"] for s in scores] == [2.0, 1.0]
+    with pytest.raises(ValueError, match="2 responses but 1 ground truths"):
+        score_responses(fn, ["42", "7"], ["42"])

@@ -1,0 +1,90 @@
+"""A batch of encoded multimodal prompts that can be repeated and sliced by row.
+
+Generation and every log-prob forward use slices of one PromptBatch, so left padding, attention
+mask, image-token positions and mm_token_type_ids agree between them by construction (Qwen2.5-VL's
+3-D rope positions are computed from exactly these tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass
+class PromptBatch:
+    input_ids: torch.Tensor  # (N, P) left-padded
+    attention_mask: torch.Tensor  # (N, P)
+    mm_token_type_ids: torch.Tensor | None  # (N, P) 1 on image tokens (transformers 5), else None
+    pixel_values: torch.Tensor | None  # (sum of patches over all images, D)
+    image_grid_thw: torch.Tensor | None  # (num images, 3)
+    num_images: torch.Tensor  # (N,) images of each row, in order
+
+    @classmethod
+    def from_processor(cls, enc, num_images: list[int]) -> "PromptBatch":
+        """Wrap the BatchFeature returned by a Qwen2.5-VL processor (left padding)."""
+        return cls(
+            input_ids=enc["input_ids"],
+            attention_mask=enc["attention_mask"],
+            mm_token_type_ids=enc.get("mm_token_type_ids"),
+            pixel_values=enc.get("pixel_values"),
+            image_grid_thw=enc.get("image_grid_thw"),
+            num_images=torch.tensor(num_images, dtype=torch.long),
+        )
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def _patch_ranges(self) -> list[tuple[int, int]]:
+        """(start, end) rows of pixel_values that belong to each prompt row."""
+        if self.image_grid_thw is None:
+            return [(0, 0)] * len(self)
+        patches = self.image_grid_thw.prod(dim=-1).tolist()
+        image_offsets = [0]
+        for p in patches:
+            image_offsets.append(image_offsets[-1] + p)
+        row_first_image = [0] + self.num_images.cumsum(0).tolist()
+        return [(image_offsets[row_first_image[i]], image_offsets[row_first_image[i + 1]]) for i in range(len(self))]
+
+    def select(self, rows: list[int] | torch.Tensor) -> "PromptBatch":
+        """Rows `rows` (any order, repeats allowed), with columns that are padding in all of them dropped."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        mask = self.attention_mask[rows]
+        first = int((mask.sum(0) > 0).nonzero()[0]) if mask.any() else 0  # left padding shared by all
+        pixel_values = image_grid_thw = None
+        if self.image_grid_thw is not None:
+            ranges = self._patch_ranges()
+            image_first = [0] + self.num_images.cumsum(0).tolist()
+            pixel_values = torch.cat([self.pixel_values[slice(*ranges[r])] for r in rows.tolist()])
+            image_grid_thw = torch.cat([self.image_grid_thw[image_first[r] : image_first[r + 1]] for r in rows.tolist()])
+        return PromptBatch(
+            input_ids=self.input_ids[rows, first:],
+            attention_mask=mask[:, first:],
+            mm_token_type_ids=None if self.mm_token_type_ids is None else self.mm_token_type_ids[rows, first:],
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            num_images=self.num_images[rows],
+        )
+
+    def repeat_interleave(self, n: int) -> "PromptBatch":
+        """Each row n times in a row: rows i*n .. i*n+n-1 are copies of prompt i."""
+        return self.select(torch.arange(len(self)).repeat_interleave(n))
+
+    def to(self, device, dtype: torch.dtype | None = None) -> "PromptBatch":
+        """Move to `device`; pixel values also take the model's dtype."""
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                value = value.to(device, dtype=dtype) if f.name == "pixel_values" and dtype else value.to(device)
+            moved[f.name] = value
+        return replace(self, **moved)
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments for the model's forward / generate."""
+        out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+        for key in ("mm_token_type_ids", "pixel_values", "image_grid_thw"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out

@@ -1,0 +1,170 @@
+"""`vlgrpo <command>`: the entry points the workflow rules call; each also runs by hand.
+
+    vlgrpo resolve config.yaml [configs/x.yaml ...] [--set key.sub=value ...]
+    vlgrpo make-demo-data  --config results/<exp>/config.resolved.yaml
+    vlgrpo make-demo-model --config results/<exp>/config.resolved.yaml
+    vlgrpo filter   --config results/<exp>/config.resolved.yaml --split train|val
+    vlgrpo evaluate --config results/<exp>/config.resolved.yaml --step N
+    vlgrpo train    --config results/<exp>/config.resolved.yaml --end-step N
+    vlgrpo report   --experiment-dir results/<exp> --out results/<exp>/report [--config ...]
+    vlgrpo report   --from-easyr1 LOG [LOG ...] --out DIR
+    vlgrpo bench    --config configs/bench_cpu.yaml --out benchmarks/results/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from vlgrpo import config as config_lib
+from vlgrpo import paths
+
+
+def parse_assignment(text: str) -> dict:
+    """'a.b.c=value' -> {'a': {'b': {'c': value}}}, the value parsed as YAML (numbers, lists, null)."""
+    if "=" not in text:
+        raise config_lib.ConfigError(f"--set expects key=value, got {text!r}")
+    key, value = text.split("=", 1)
+    out: dict = {}
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = yaml.safe_load(value)
+    return out
+
+
+def cmd_resolve(args) -> None:
+    overrides: dict = {}
+    for item in args.set or []:
+        overrides = config_lib.deep_merge(overrides, parse_assignment(item))
+    cfg = config_lib.load(*args.configs, overrides=overrides)
+    out = paths.path(paths.RESOLVED, config_lib.experiment_dir(cfg))
+    config_lib.write_resolved(cfg, out)
+    print(out)
+
+
+def cmd_make_demo_data(args) -> None:
+    from vlgrpo.demo import make_dataset
+
+    cfg = config_lib.read_resolved(args.config)
+    stats = make_dataset(cfg, Path(cfg["demo"]["out_dir"]) / "geometry_synth")
+    print(json.dumps(stats, indent=1))
+
+
+def cmd_make_demo_model(args) -> None:
+    from vlgrpo.demo import make_model
+
+    cfg = config_lib.read_resolved(args.config)
+    stats = make_model(cfg, Path(cfg["model"]["path"]))
+    print(json.dumps(stats, indent=1))
+
+
+def cmd_filter(args) -> None:
+    from vlgrpo.data import filter_split
+
+    cfg = config_lib.read_resolved(args.config)
+    exp = config_lib.experiment_dir(cfg)
+    stats = filter_split(
+        cfg, args.split, paths.path(paths.FILTERED, exp, split=args.split), paths.path(paths.STATS, exp, split=args.split)
+    )
+    print(json.dumps(stats, indent=1))
+
+
+def cmd_evaluate(args) -> None:
+    from vlgrpo import evaluate
+
+    record = evaluate.main(args.config, args.step)
+    print(json.dumps({k: v for k, v in record.items() if k != "samples"}, indent=1))
+
+
+def cmd_train(args) -> None:
+    """Run one segment in a child process under a watchdog: a heartbeat older than
+    trainer.stall_timeout_s (a hung GPU, a deadlock) kills the child's process group and fails the
+    job, so Snakemake's retry resumes from the last checkpoint."""
+    cfg = config_lib.read_resolved(args.config)
+    exp = config_lib.experiment_dir(cfg)
+    marker = paths.path(paths.MARKER, exp, step=args.end_step)
+    heartbeat = paths.path(paths.HEARTBEAT, exp)
+    heartbeat.parent.mkdir(parents=True, exist_ok=True)
+    heartbeat.touch()
+    timeout = cfg["trainer"]["stall_timeout_s"]
+    child = subprocess.Popen(
+        [sys.executable, "-m", "vlgrpo.trainer", "--config", str(args.config), "--end-step", str(args.end_step),
+         "--marker", str(marker), "--heartbeat", str(heartbeat)],
+        start_new_session=True,
+    )
+    forward = lambda signum, _frame: os.killpg(child.pid, signum)  # noqa: E731 Snakemake's SIGTERM/SIGINT
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while child.poll() is None:
+        time.sleep(min(5.0, timeout / 4))
+        age = time.time() - heartbeat.stat().st_mtime
+        if child.poll() is None and age > timeout:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            sys.exit(f"vlgrpo train: no progress for {age:.0f} s (trainer.stall_timeout_s={timeout}); killed the segment")
+    if child.returncode != 0:
+        sys.exit(f"vlgrpo train: the segment to step {args.end_step} failed (exit status {child.returncode})")
+
+
+def cmd_report(argv) -> None:
+    from vlgrpo.report import main as report_main
+
+    report_main(argv)
+
+
+def cmd_bench(argv) -> None:
+    from vlgrpo.bench import main as bench_main
+
+    bench_main(argv)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # report and bench own their argument parsers.
+    if argv and argv[0] in ("report", "bench"):
+        return {"report": cmd_report, "bench": cmd_bench}[argv[0]](argv[1:])
+    parser = argparse.ArgumentParser(prog="vlgrpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("resolve", help="validate configs and write results/<exp>/config.resolved.yaml")
+    p.add_argument("configs", nargs="+")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_resolve)
+    for name, func, help_text in [
+        ("make-demo-data", cmd_make_demo_data, "make the synthetic geometry dataset"),
+        ("make-demo-model", cmd_make_demo_model, "make the tiny Qwen2.5-VL (with its supervised warm-up)"),
+        ("filter", cmd_filter, "filter and render a split"),
+        ("evaluate", cmd_evaluate, "validate a checkpoint (step 0 = the base model)"),
+        ("train", cmd_train, "train one segment, resuming from the latest checkpoint"),
+    ]:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--config", required=True, help="results/<exp>/config.resolved.yaml")
+        p.set_defaults(func=func)
+        if name == "filter":
+            p.add_argument("--split", choices=["train", "val"], required=True)
+        if name == "evaluate":
+            p.add_argument("--step", type=int, required=True)
+        if name == "train":
+            p.add_argument("--end-step", type=int, required=True)
+    sub.add_parser("report", help="the analysis report (see vlgrpo report --help)")
+    sub.add_parser("bench", help="the GRPO step benchmark (see vlgrpo bench --help)")
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except config_lib.ConfigError as e:
+        sys.exit(f"vlgrpo {args.command}: {e}")
+
+
+if __name__ == "__main__":
+    main()

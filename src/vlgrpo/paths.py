@@ -1,0 +1,27 @@
+"""Where every file of an experiment lives, for both the workflow and the CLIs (one source)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+RESOLVED = "{exp}/config.resolved.yaml"
+FILTERED = "{exp}/data/{split}.parquet"
+STATS = "{exp}/data/{split}.stats.json"
+VAL = "{exp}/val/step_{step}.json"
+GENERATIONS = "{exp}/val/step_{step}.generations.jsonl"
+MARKER = "{exp}/segments/step_{step}.json"
+HEARTBEAT = "{exp}/segments/heartbeat"
+CHECKPOINTS = "{exp}/checkpoints"
+METRICS = "{exp}/metrics.jsonl"
+REPORT = "{exp}/report"
+
+
+def step_str(step: int) -> str:
+    """Steps in file names are zero-padded to six digits, so they sort."""
+    return f"{step:06d}"
+
+
+def path(pattern: str, exp: str | Path, **fields) -> Path:
+    """A concrete path: `pattern` filled with the experiment folder and integer steps padded."""
+    fields = {k: step_str(v) if k == "step" else v for k, v in fields.items()}
+    return Path(pattern.format(exp=exp, **fields))

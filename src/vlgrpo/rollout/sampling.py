@@ -1,0 +1,82 @@
+"""Keyed sampling: every sample's randomness is a pure function of (seed, step, prompt, sample).
+
+Sampling from softmax(logits / T) is done by the Gumbel-max trick with noise drawn from a
+counter-based hash of (row key, position, token id) instead of a stateful generator. So a sample
+does not depend on which other samples share its batch, on the batch order, or on anything that
+ran before in the process: a resumed run reproduces the uninterrupted one token for token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31 keep every product of a 32-bit value below 2**63 (no int64 overflow).
+_M1, _M2, _M3 = 0x7FEB352D, 0x2C1B3C6D, 0x297A2D39
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """Avalanche a tensor of 32-bit values held in int64 (two xorshift-multiply rounds)."""
+    x = x & _MASK32
+    x = ((x ^ (x >> 16)) * _M1) & _MASK32
+    x = ((x ^ (x >> 15)) * _M2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def sample_key(*parts: int) -> int:
+    """One 32-bit key from integers, e.g. sample_key(seed, step, prompt_index, sample_index)."""
+    h = torch.tensor(0x9E3779B9, dtype=torch.int64)
+    for p in parts:
+        h = _mix32(h ^ _mix32(torch.tensor(int(p) & _MASK32, dtype=torch.int64) + _M3))
+    return int(h)
+
+
+def uniform_noise(keys: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
+    """Uniform (0, 1) noise, one value per (row, token).
+
+    keys: (N,) int64 row keys; returns (N, V) float32 that depends only on (key, position, token).
+    """
+    row = _mix32(keys.to(torch.int64) * 31 + position * _M3)[:, None]  # (N, 1)
+    tok = _mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64) + _M1)[None, :]  # (1, V)
+    h = _mix32(row ^ tok)  # (N, V)
+    return ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+
+
+def top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Set logits outside the nucleus of mass top_p to -inf; the most likely token is always kept.
+
+    logits: (N, V) -> (N, V)
+    """
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    drop_sorted = probs.cumsum(dim=-1) - probs > top_p  # mass before this token already exceeds top_p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def keyed_sample(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    position: int,
+    temperature: float,
+    top_p: float,
+    banned: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens (N,), log-prob of each token under softmax(logits/T)).
+
+    logits: (N, V) raw logits; keys: (N,) int64; banned: (V,) bool, tokens never sampled (vision
+    placeholders, ids past the tokenizer). temperature 0 means greedy decoding.
+    The returned log-prob is that of the full tempered distribution (no top-p, no ban), which is
+    what the training forward recomputes (EasyR1/verl divide logits by T and nothing else).
+    """
+    scaled = logits.float() if temperature == 0 else logits.float() / temperature
+    logp = scaled.log_softmax(dim=-1)
+    allowed = scaled if banned is None else scaled.masked_fill(banned, float("-inf"))
+    if temperature == 0:
+        tokens = allowed.argmax(dim=-1)
+    else:
+        gumbel = -torch.log(-torch.log(uniform_noise(keys, position, logits.shape[-1])))
+        tokens = (top_p_mask(allowed, top_p) + gumbel).argmax(dim=-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

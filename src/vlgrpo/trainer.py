@@ -1,0 +1,369 @@
+"""GRPO training, one segment at a time.
+
+The algorithm as implemented, one step k (EasyR1's order and metric names):
+  1. batch: rollout.batch_size prompts from a permutation of the filtered train split seeded by
+     (seed, epoch); drop_last. Step k is a pure function of k.
+  2. gen: rollout.n samples per prompt (temperature, top_p), each sample's randomness keyed by
+     (seed, k, prompt index, sample index); responses up to data.max_response_length tokens.
+  3. reward: the configured grading function (overall = format_weight * format + rest * accuracy).
+  4. old: log-probs of the responses under the current policy (no grad), micro-batched.
+  5. ref: log-probs under the frozen reference model (the base model), when the KL loss is on.
+  6. adv: GRPO advantages, (score - group mean) / (group std + 1e-6) per prompt.
+  7. update_actor: for each mini-batch of actor.global_batch_size prompts (x n samples), micro-batches
+     accumulate gradients of pg_loss + kl_coef * kl_loss, each normalised by the whole mini-batch's
+     token count (token mode) so the sum is exactly the mini-batch token mean; clip the gradient norm;
+     AdamW step, skipped (and counted) if the norm is not finite.
+A segment resumes from the store's latest checkpoint, runs steps up to its end step, saves a
+checkpoint and writes its marker last. Launch: `vlgrpo train --config results/<exp>/config.resolved.yaml
+--end-step N` (the rule train_segment does this); it runs this module under a heartbeat watchdog.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import psutil
+import torch
+from tqdm.auto import tqdm
+
+from vlgrpo import config as config_lib
+from vlgrpo import grpo, paths, plan
+from vlgrpo.batch import PromptBatch
+from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
+from vlgrpo.data import encode_prompts, load_filtered, load_processor
+from vlgrpo.policy import load_model, resolve_device, response_logprobs
+from vlgrpo.rewards import load_reward_function, score_responses
+from vlgrpo.rollout import SamplingParams, make_engine
+from vlgrpo.rollout.sampling import sample_key
+from vlgrpo.tracking import Tracker, read_metrics
+
+log = logging.getLogger("vlgrpo.trainer")
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def training_hash(cfg: dict) -> str:
+    """Hash of everything that changes what training computes (not max_steps, logging, retention)."""
+    return config_lib.config_hash({k: cfg[k] for k in ("seed", "model", "data", "algorithm", "worker")})
+
+
+@contextlib.contextmanager
+def timer(timing: dict, name: str):
+    start = time.perf_counter()
+    yield
+    timing[name] = time.perf_counter() - start
+
+
+class Heartbeat:
+    """Touches a file at most once a second; the watchdog kills a segment whose file goes stale."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.last = path, 0.0
+
+    def beat(self) -> None:
+        if self.path is not None and time.monotonic() - self.last > 1.0:
+            self.path.touch()
+            self.last = time.monotonic()
+
+
+class Faults:
+    """Fault injection for tests, from VLGRPO_FAULT="kind@step[,kind@step]" (kinds: kill, stall,
+    nonfinite, kill_in_save). With VLGRPO_FAULT_ONCE=<file>, faults fire only while that file does
+    not exist, and the first one to fire creates it."""
+
+    def __init__(self):
+        spec = os.environ.get("VLGRPO_FAULT", "")
+        self.at = {(kind, int(step)) for kind, step in (item.split("@") for item in spec.split(",") if item)}
+        self.once = os.environ.get("VLGRPO_FAULT_ONCE")
+
+    def fires(self, kind: str, step: int) -> bool:
+        if (kind, step) not in self.at or (self.once and Path(self.once).exists()):
+            return False
+        if self.once:
+            Path(self.once).touch()
+        log.warning("fault injection: %s at step %d", kind, step)
+        return True
+
+
+def build_optimizer(cfg: dict, model) -> torch.optim.Optimizer:
+    optim = cfg["worker"]["actor"]["optim"]
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=optim["lr"],
+        betas=tuple(optim["betas"]),
+        weight_decay=optim["weight_decay"],
+    )
+
+
+def lr_at(cfg: dict, step: int) -> float:
+    """Linear warm-up over absolute steps, then constant: independent of the run's length."""
+    optim = cfg["worker"]["actor"]["optim"]
+    warmup = optim["lr_warmup_steps"]
+    return optim["lr"] * (min(1.0, step / warmup) if warmup else 1.0)
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict:
+    values = values.float()
+    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(), f"{prefix}/min": values.min().item()}
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: dict, heartbeat: Heartbeat | None = None):
+        self.cfg = cfg
+        self.exp_dir = config_lib.experiment_dir(cfg)
+        self.heartbeat = heartbeat or Heartbeat(None)
+        self.faults = Faults()
+        self.device = resolve_device(cfg["trainer"]["device"])
+        data = cfg["data"]
+        self.processor = load_processor(cfg["model"]["path"], data["min_pixels"], data["max_pixels"])
+        self.rows = load_filtered(paths.path(paths.FILTERED, self.exp_dir, split="train"))
+        self.batch_size = cfg["worker"]["rollout"]["batch_size"]
+        self.steps_per_epoch = len(self.rows) // self.batch_size
+        self.total_steps = plan.total_steps(cfg, self.steps_per_epoch)
+        reward = cfg["worker"]["reward"]
+        self.reward_fn = load_reward_function(reward["reward_function"], reward["format_weight"])
+        self.store = CheckpointStore(paths.path(paths.CHECKPOINTS, self.exp_dir))
+        self.policy = self.ref = self.optimizer = self.engine = None
+        self.nonfinite_in_a_row = 0
+
+    # --- data ------------------------------------------------------------------------------
+    def batch_indices(self, step: int) -> list[int]:
+        """Rows of the filtered train split used at `step` (1-based): a pure function of (seed, step)."""
+        epoch, position = divmod(step - 1, self.steps_per_epoch)
+        generator = torch.Generator().manual_seed(sample_key(self.cfg["seed"], epoch))
+        order = torch.randperm(len(self.rows), generator=generator)
+        return order[position * self.batch_size : (position + 1) * self.batch_size].tolist()
+
+    # --- state -----------------------------------------------------------------------------
+    def load(self, step: int) -> None:
+        """Policy, reference, optimizer and rollout engine, resumed from checkpoint `step` (0 = base)."""
+        model_cfg = self.cfg["model"]
+        source = self.store.model_dir(step) if step else model_cfg["path"]
+        self.policy = load_model(source, model_cfg, self.device, trainable=True)
+        algorithm = self.cfg["algorithm"]
+        if algorithm["use_kl_loss"] and algorithm["kl_coef"] > 0:
+            self.ref = load_model(model_cfg["path"], model_cfg, self.device, trainable=False)
+        self.optimizer = build_optimizer(self.cfg, self.policy)
+        if step:
+            self.store.load_optimizer(step, self.optimizer)
+        self.engine = make_engine(self.cfg["worker"]["rollout"]["engine"], self.policy, self.processor)
+
+    def save(self, step: int, run_id: str) -> Path:
+        epoch, position = divmod(step, self.steps_per_epoch)
+        state = {
+            "config_hash": training_hash(self.cfg),
+            "data_position": {"epoch": epoch, "batch_in_epoch": position, "steps_per_epoch": self.steps_per_epoch},
+            "wandb_run_id": run_id,
+        }
+        if self.faults.fires("kill_in_save", step):
+            self.policy.save_pretrained(self.store.root / f".tmp_global_step_{step:06d}" / "model")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.store.save(step, self.policy, self.processor, self.optimizer, state)
+
+    # --- one step --------------------------------------------------------------------------
+    def _logprobs(self, model, prompts: PromptBatch, responses, mask, micro: int) -> torch.Tensor:
+        temperature = self.cfg["worker"]["rollout"]["temperature"]
+        out = []
+        with torch.no_grad():
+            for start in range(0, len(prompts), micro):
+                rows = list(range(start, min(start + micro, len(prompts))))
+                out.append(response_logprobs(model, prompts.select(rows), responses[rows], mask[rows], temperature).cpu())
+                self.heartbeat.beat()
+        return torch.cat(out)
+
+    def step(self, step: int) -> dict:
+        cfg, rollout_cfg, actor = self.cfg, self.cfg["worker"]["rollout"], self.cfg["worker"]["actor"]
+        if self.faults.fires("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.faults.fires("stall", step):
+            while True:
+                time.sleep(60)
+        n, timing = rollout_cfg["n"], {}
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        step_start = time.perf_counter()
+        rows = [self.rows[i] for i in self.batch_indices(step)]
+        with timer(timing, "gen"):
+            enc = encode_prompts(self.processor, rows)
+            prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(n)
+            keys = torch.tensor([sample_key(cfg["seed"], step, r["index"], j) for r in rows for j in range(n)])
+            params = SamplingParams(rollout_cfg["temperature"], rollout_cfg["top_p"], cfg["data"]["max_response_length"])
+            out = self.engine.generate(prompts, keys, params, batch_size=len(prompts))
+        self.heartbeat.beat()
+        with timer(timing, "reward"):
+            answers = [r["answer"] for r in rows for _ in range(n)]
+            scores, reward_errors = score_responses(self.reward_fn, out.texts, answers)
+            overall = torch.tensor([s["overall"] for s in scores], dtype=torch.float32)
+        micro = actor["micro_batch_size_per_device_for_experience"]
+        with timer(timing, "old"):
+            old_logp = self._logprobs(self.policy, prompts, out.responses, out.response_mask, micro)
+        ref_logp = None
+        if self.ref is not None:
+            with timer(timing, "ref"):
+                ref_logp = self._logprobs(self.ref, prompts, out.responses, out.response_mask, micro)
+        with timer(timing, "adv"):
+            advantages = grpo.grpo_advantages(overall, n)
+        with timer(timing, "update_actor"):
+            update = self.update_actor(step, prompts, out, old_logp, ref_logp, advantages)
+        timing["step"] = time.perf_counter() - step_start
+
+        mask = out.response_mask.bool()
+        lengths, prompt_lengths = out.lengths.float(), prompts.attention_mask.sum(-1).float()
+        max_prompt, max_response = cfg["data"]["max_prompt_length"], cfg["data"]["max_response_length"]
+        total_tokens = int(lengths.sum() + prompt_lengths.sum())
+        devices = max(1, cfg["trainer"]["n_gpus_per_node"] * cfg["trainer"]["nnodes"])
+        groups = overall.view(-1, n)
+        record = {
+            "step": step,
+            **{f"reward/{k}": sum(s[k] for s in scores) / len(scores) for k in ("overall", "format", "accuracy")},
+            "reward/errors": reward_errors,
+            **update,
+            **_stats("critic/score", overall),
+            **_stats("critic/advantages", advantages[:, None].expand_as(mask)[mask]),
+            "critic/zero_adv_group_frac": (groups.max(1).values == groups.min(1).values).float().mean().item(),
+            **_stats("response_length", lengths),
+            "response_length/clip_ratio": (lengths == max_response).float().mean().item(),
+            **_stats("prompt_length", prompt_lengths),
+            "prompt_length/clip_ratio": (prompt_lengths == max_prompt).float().mean().item(),
+            **{f"timing_s/{k}": v for k, v in timing.items()},
+            "perf/total_num_tokens": total_tokens,
+            "perf/time_per_step": timing["step"],
+            "perf/throughput": total_tokens / (timing["step"] * devices),
+            "perf/cpu_memory_used_gb": psutil.Process().memory_info().rss / 2**30,
+        }
+        record["actor/entropy_loss"] = grpo.entropy_from_logp(old_logp, out.response_mask.float()).item()
+        if self.device.type == "cuda":
+            record["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            record["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+        return record
+
+    def update_actor(self, step, prompts: PromptBatch, out, old_logp, ref_logp, advantages) -> dict:
+        """PPO epochs over mini-batches of global_batch_size prompts; returns averaged actor metrics."""
+        cfg, actor, algorithm = self.cfg, self.cfg["worker"]["actor"], self.cfg["algorithm"]
+        temperature = cfg["worker"]["rollout"]["temperature"]
+        n, mode = cfg["worker"]["rollout"]["n"], actor["loss_avg_mode"]
+        mini, micro = actor["global_batch_size"] * n, actor["micro_batch_size_per_device_for_update"]
+        lr = lr_at(cfg, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        sums, updates, skipped = defaultdict(float), 0, 0
+        self.policy.train()
+        for _ in range(actor["ppo_epochs"]):
+            for start in range(0, len(prompts), mini):
+                mini_rows = list(range(start, min(start + mini, len(prompts))))
+                mask = out.response_mask[mini_rows].float()
+                denominator = float(mask.sum()) if mode == "token" else float(len(mini_rows))
+                self.optimizer.zero_grad(set_to_none=True)
+                for m in range(0, len(mini_rows), micro):
+                    rows = mini_rows[m : m + micro]
+                    logp = response_logprobs(self.policy, prompts.select(rows), out.responses[rows], out.response_mask[rows], temperature)
+                    dev = logp.device
+                    rmask = out.response_mask[rows].float().to(dev)
+                    loss, metrics = grpo.policy_loss(
+                        logp, old_logp[rows].to(dev), advantages[rows].to(dev), rmask,
+                        actor["clip_ratio_low"], actor["clip_ratio_high"], actor["clip_ratio_dual"],
+                        mode, denominator,
+                    )
+                    if ref_logp is not None:
+                        kl = grpo.aggregate(
+                            grpo.kl_penalty(logp, ref_logp[rows].to(dev), algorithm["kl_type"]), rmask, mode, denominator
+                        )
+                        loss = loss + algorithm["kl_coef"] * kl
+                        metrics["kl_loss"] = kl.detach()
+                    if self.faults.fires("nonfinite", step):
+                        loss = loss * float("nan")
+                    loss.backward()
+                    for key, value in metrics.items():
+                        sums[key] += float(value)
+                    self.heartbeat.beat()
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, actor["max_grad_norm"]))
+                sums["grad_norm"] += grad_norm
+                updates += 1
+                if torch.isfinite(torch.tensor(grad_norm)):
+                    self.optimizer.step()
+                    self.nonfinite_in_a_row = 0
+                else:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    self.nonfinite_in_a_row += 1
+                    log.error("step %d: non-finite gradient norm, update skipped", step)
+                    if self.nonfinite_in_a_row >= cfg["trainer"]["max_nonfinite_steps"]:
+                        raise NonFiniteError(
+                            f"{self.nonfinite_in_a_row} non-finite updates in a row (trainer.max_nonfinite_steps="
+                            f"{cfg['trainer']['max_nonfinite_steps']}); the segment stops here"
+                        )
+        self.policy.eval()
+        # Micro-batch metrics were normalised by the mini-batch: their sum is the mini-batch value.
+        record = {f"actor/{k}": v / updates for k, v in sums.items()}
+        record.update({"actor/lr": lr, "actor/kl_coef": algorithm["kl_coef"] if ref_logp is not None else 0.0})
+        record["actor/nonfinite_skipped"] = skipped
+        return record
+
+
+def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | None = None) -> dict:
+    """Train from the latest checkpoint to `end_step`, save a checkpoint there, write the marker last."""
+    times = {}
+    trainer = GRPOTrainer(cfg, heartbeat)
+    if end_step > trainer.total_steps:
+        raise ValueError(f"end step {end_step} is past the run's last step {trainer.total_steps}")
+    start = trainer.store.latest() or 0
+    run_id = trainer.store.state(start)["wandb_run_id"] if start else None
+    if start and trainer.store.state(start)["config_hash"] != training_hash(cfg):
+        raise config_lib.ConfigError(
+            f"checkpoint {trainer.store.path(start)} was made with a different training config; "
+            f"use a new experiment name, or delete {trainer.store.root} to start over"
+        )
+    tracker = Tracker(cfg, trainer.exp_dir, run_id)
+    if start < end_step:
+        with timer(times, "load"):
+            trainer.load(start)
+        with timer(times, "train"):
+            for step in tqdm(range(start + 1, end_step + 1), desc=f"segment to {end_step}", initial=start, total=end_step):
+                record = trainer.step(step)
+                tracker.log(record)
+                trainer.heartbeat.beat()
+        with timer(times, "save"):
+            trainer.save(end_step, tracker.run_id)
+        apply_retention(cfg, trainer.total_steps)
+    else:
+        log.info("checkpoint %d already covers step %d: nothing to train", start, end_step)
+    tracker.close()
+    last = next((r for r in read_metrics(tracker.path) if r["step"] == end_step), {})
+    summary = {k: last[k] for k in ("reward/overall", "reward/format", "reward/accuracy", "actor/kl_loss") if k in last}
+    out = {
+        "end_step": end_step,
+        "start_step": start,
+        "checkpoint": str(trainer.store.path(end_step)),
+        "config_hash": training_hash(cfg),
+        "metrics": summary,
+        "timing_s": times,
+    }
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(marker, out)
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m vlgrpo.trainer", description=__doc__)
+    parser.add_argument("--config", required=True, help="results/<exp>/config.resolved.yaml")
+    parser.add_argument("--end-step", type=int, required=True)
+    parser.add_argument("--marker", required=True)
+    parser.add_argument("--heartbeat")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = config_lib.read_resolved(args.config)
+    run_segment(cfg, args.end_step, Path(args.marker), Heartbeat(Path(args.heartbeat) if args.heartbeat else None))
+
+
+if __name__ == "__main__":
+    main()

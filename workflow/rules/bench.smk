@@ -1,0 +1,1 @@
+# GRPO benchmark (filled in by the GPU issue)

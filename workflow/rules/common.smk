@@ -1,0 +1,89 @@
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from vlgrpo import config as config_lib
+from vlgrpo import paths, plan
+from vlgrpo.config import ConfigError
+
+try:
+    CFG = config_lib.validate(config)
+except ConfigError as e:
+    raise WorkflowError(str(e)) from None
+
+EXP = str(config_lib.experiment_dir(CFG))
+RESOLVED = paths.path(paths.RESOLVED, EXP)
+DEMO = CFG["demo"]["out_dir"]
+DEMO_DATA = f"{DEMO}/geometry_synth"
+DEMO_SPLITS = ["train", "validation", "test"]
+STEP = r"\d{6}"
+
+# Written at parse time, and only when it changes: jobs read it, but the rerun decision rests on the
+# `params` hashes below, so raising max_steps only adds segments.
+if not RESOLVED.is_file() or config_lib.read_resolved(RESOLVED) != CFG:
+    config_lib.write_resolved(CFG, RESOLVED)
+
+
+def _pick(dotted):
+    node = CFG
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def config_key(*dotted):
+    """A hash of the config parts a rule depends on; a rule reruns when it changes."""
+    return config_lib.config_hash({k: _pick(k) for k in dotted})
+
+
+TRAIN_KEYS = ("seed", "model", "data", "algorithm", "worker")
+EVAL_KEYS = ("seed", "model", "data", "worker.rollout.engine", "worker.rollout.val_override_config",
+             "worker.reward", "trainer.device", "trainer.val_generations_to_log")
+
+
+def visible_gpus():
+    """GPUs on this machine (CUDA_VISIBLE_DEVICES wins), so that GPU jobs never oversubscribe them."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() not in ("", "-1")])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return out.stdout.count("GPU ") if out.returncode == 0 else 0
+
+
+if "gpu" not in workflow.global_resources:
+    workflow.register_resource("gpu", visible_gpus())
+
+TRAIN_GPUS = CFG["trainer"]["n_gpus_per_node"] * CFG["trainer"]["nnodes"]
+EVAL_GPUS = min(1, TRAIN_GPUS)
+
+
+def local_inputs(*specs):
+    """Local files among data/model specs (hub ids are not files), so rules that make them run first."""
+    out = []
+    for spec in specs:
+        if spec.startswith(DEMO) or Path(spec).exists():
+            out.append(spec)
+    return out
+
+
+def step_of(wildcards):
+    return int(wildcards.step)
+
+
+def planned_total():
+    """Total training steps: needs the filtered train split's size (a checkpoint rule)."""
+    stats = checkpoints.filter_data.get(split="train").output.stats
+    import json
+
+    return plan.total_steps(CFG, json.loads(Path(stats).read_text())["steps_per_epoch"])
+
+
+def val_file(step):
+    return paths.path(paths.VAL, EXP, step=step)
+
+
+def marker_file(step):
+    return paths.path(paths.MARKER, EXP, step=step)

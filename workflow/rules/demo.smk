@@ -1,0 +1,30 @@
+# The embedded default's inputs: a synthetic geometry dataset and a tiny Qwen2.5-VL made on the spot.
+# They run only when the config points data/model at their outputs (config.yaml does).
+
+
+rule demo_data:
+    output:
+        expand(f"{DEMO_DATA}/{{split}}.parquet", split=DEMO_SPLITS),
+    params:
+        config=RESOLVED,
+        key=config_key("seed", "demo"),
+    log:
+        f"{DEMO}/logs/demo_data.log",
+    shell:
+        "vlgrpo make-demo-data --config {params.config} > {log} 2>&1"
+
+
+if CFG["model"]["path"].startswith(DEMO):
+
+    rule demo_model:
+        input:
+            f"{DEMO_DATA}/train.parquet",
+        output:
+            directory(CFG["model"]["path"]),
+        params:
+            config=RESOLVED,
+            key=config_key("seed", "demo", "data.min_pixels", "data.max_pixels", "data.format_prompt"),
+        log:
+            f"{DEMO}/logs/demo_model.log",
+        shell:
+            "vlgrpo make-demo-model --config {params.config} > {log} 2>&1"

@@ -1,0 +1,30 @@
+# Validation of one step: 0 is the base model (the baseline, run once and cached), any other step is
+# the checkpoint its segment wrote. It depends on that segment only, so it runs beside the next one.
+
+
+def evaluated_model(wildcards):
+    step = step_of(wildcards)
+    deps = [paths.path(paths.FILTERED, EXP, split="val"), paths.path(paths.STATS, EXP, split="train")]
+    return deps + ([marker_file(step)] if step else local_inputs(CFG["model"]["path"]))
+
+
+rule evaluate:
+    input:
+        evaluated_model,
+    output:
+        paths.VAL.format(exp=EXP, step="{step}"),
+        paths.GENERATIONS.format(exp=EXP, step="{step}"),
+    wildcard_constraints:
+        step=STEP,
+    params:
+        config=RESOLVED,
+        # Step 0 depends on the base model and the validation settings; a checkpoint on training too.
+        key=lambda w: config_key(
+            *EVAL_KEYS, *(TRAIN_KEYS if step_of(w) else ())
+        ),
+    resources:
+        gpu=EVAL_GPUS,
+    log:
+        f"{EXP}/logs/evaluate_{{step}}.log",
+    shell:
+        "vlgrpo evaluate --config {params.config} --step {wildcards.step} > {log} 2>&1"

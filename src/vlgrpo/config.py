@@ -73,6 +73,11 @@ def validate(cfg: dict) -> dict:
             f"'worker.rollout.batch_size' ({rollout['batch_size']}) must be a multiple of "
             f"'worker.actor.global_batch_size' ({actor['global_batch_size']})"
         )
+    if actor["optim"]["strategy"] == "adamw" and cfg["model"]["dtype"] != "float32":
+        raise ConfigError(
+            "'worker.actor.optim.strategy' adamw keeps float32 moments and needs 'model.dtype' float32; "
+            "use adamw_bf16 for bfloat16 weights"
+        )
     return cfg
 
 

@@ -1,0 +1,82 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vlgrpo import config
+from vlgrpo.cli import parse_assignment
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def leaves(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"
+
+
+def test_embedded_default_validates_and_fills_defaults():
+    cfg = config.load(ROOT / "config.yaml")
+    assert cfg["worker"]["actor"]["clip_ratio_dual"] == 3.0  # from the schema
+    assert cfg["trainer"]["val_before_train"] is True
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl_3b_geo3k.yaml", "easyr1_geo3k_default.yaml"])
+def test_recipes_set_every_key_of_the_default(name):
+    """Snakemake merges --configfile over config.yaml: a recipe must set every key the default sets
+    (but the demo block), or a demo value would leak into it."""
+    default = yaml.safe_load((ROOT / "config.yaml").read_text())
+    recipe = yaml.safe_load((ROOT / "configs" / name).read_text())
+    missing = {k for k in leaves(default) if not k.startswith("demo.")} - set(leaves(recipe))
+    assert not missing
+    config.load(ROOT / "config.yaml", ROOT / "configs" / name)
+
+
+def test_seed_recipe_values():
+    cfg = config.load(ROOT / "config.yaml", ROOT / "configs" / "qwen2_5_vl_3b_geo3k.yaml")
+    actor, rollout = cfg["worker"]["actor"], cfg["worker"]["rollout"]
+    assert (rollout["batch_size"], rollout["n"], actor["global_batch_size"]) == (32, 4, 16)
+    assert (cfg["data"]["max_response_length"], cfg["data"]["max_pixels"], cfg["data"]["min_pixels"]) == (512, 524288, 262144)
+    assert (actor["optim"]["lr"], cfg["algorithm"]["kl_coef"], cfg["algorithm"]["kl_type"]) == (1e-6, 1e-2, "low_var_kl")
+    assert (actor["clip_ratio_low"], actor["clip_ratio_high"], actor["clip_ratio_dual"]) == (0.2, 0.3, 3.0)
+    assert (cfg["trainer"]["max_steps"], cfg["trainer"]["save_freq"], cfg["trainer"]["val_freq"]) == (195, 5, 5)
+    assert rollout["val_override_config"] == {"temperature": 0.6, "top_p": 0.95, "n": 1}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"data": {"max_pixel": 5}}, "allowed keys: answer_key"),
+        ({"worker": {"rollout": {"engine": "sglang"}}}, "'worker.rollout.engine' is 'sglang'; allowed values: 'hf', 'vllm'"),
+        ({"worker": {"rollout": {"n": 1}}}, "'worker.rollout.n'"),
+        ({"seed": "one"}, "'seed'"),
+        ({"data": {"min_pixels": 600000}}, "'data.min_pixels' (600000) > 'data.max_pixels'"),
+        ({"worker": {"rollout": {"batch_size": 10}}}, "multiple of 'worker.actor.global_batch_size'"),
+        ({"model": {"dtype": "bfloat16"}}, "adamw keeps float32 moments"),
+    ],
+)
+def test_bad_values_fail_naming_the_key(override, message):
+    with pytest.raises(config.ConfigError) as e:
+        config.load(ROOT / "config.yaml", overrides=override)
+    assert message in str(e.value)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(config.ConfigError, match="config file not found"):
+        config.load(tmp_path / "nope.yaml")
+
+
+def test_command_line_assignments():
+    assert parse_assignment("worker.rollout.n=8") == {"worker": {"rollout": {"n": 8}}}
+    assert parse_assignment("trainer.max_steps=null") == {"trainer": {"max_steps": None}}
+    with pytest.raises(config.ConfigError, match="key=value"):
+        parse_assignment("seed")
+
+
+def test_resolved_config_round_trip(tmp_path):
+    cfg = config.load(ROOT / "config.yaml")
+    config.write_resolved(cfg, tmp_path / "c.yaml")
+    assert config.read_resolved(tmp_path / "c.yaml") == cfg
+    assert config.config_hash(cfg) == config.config_hash(config.read_resolved(tmp_path / "c.yaml"))

@@ -1,0 +1,71 @@
+import math
+
+import pytest
+import torch
+
+from vlgrpo.rollout.sampling import keyed_sample, sample_key, top_p_mask, uniform_noise
+
+
+def test_sample_key_is_a_pure_function_of_its_parts():
+    assert sample_key(1, 5, 17, 3) == sample_key(1, 5, 17, 3)
+    keys = {sample_key(1, step, prompt, sample) for step in range(4) for prompt in range(8) for sample in range(4)}
+    assert len(keys) == 4 * 8 * 4  # no collisions among nearby tuples
+    assert all(0 <= k < 2**32 for k in keys)
+
+
+def test_noise_depends_only_on_key_position_and_token():
+    keys = torch.tensor([sample_key(1, 1, i, 0) for i in range(6)])
+    full = uniform_noise(keys, 3, 50)
+    alone = uniform_noise(keys[4:5], 3, 50)
+    assert torch.equal(full[4:5], alone)  # batch composition does not matter
+    assert not torch.equal(uniform_noise(keys, 4, 50), full)  # positions differ
+    assert full.min() > 0 and full.max() < 1
+
+
+def test_noise_is_uniform():
+    keys = torch.tensor([sample_key(7, i) for i in range(200)])
+    u = uniform_noise(keys, 0, 1000).flatten()
+    assert abs(u.mean().item() - 0.5) < 0.005
+    assert abs(u.var().item() - 1 / 12) < 0.002
+
+
+def test_keyed_sampling_matches_the_tempered_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    temperature = 0.7
+    n = 20000
+    keys = torch.tensor([sample_key(3, i) for i in range(n)])
+    tokens, logp = keyed_sample(logits.expand(n, 4), keys, 0, temperature, 1.0)
+    freq = torch.bincount(tokens, minlength=4).float() / n
+    expected = (logits[0] / temperature).softmax(-1)
+    assert torch.allclose(freq, expected, atol=0.01)
+    assert torch.allclose(logp, expected.log()[tokens], atol=1e-6)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    masked = top_p_mask(logits, 0.7)
+    assert torch.isfinite(masked).tolist() == [[True, True, False, False]]
+    masked = top_p_mask(logits, 0.1)
+    assert torch.isfinite(masked).tolist() == [[True, False, False, False]]
+    keys = torch.tensor([sample_key(0, i) for i in range(2000)])
+    tokens, _ = keyed_sample(logits.expand(2000, 4), keys, 0, 1.0, 0.7)
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_banned_tokens_are_never_sampled_but_logp_is_of_the_full_distribution():
+    logits = torch.tensor([[5.0, 0.0, 0.0]])
+    banned = torch.tensor([True, False, False])
+    keys = torch.tensor([sample_key(0, i) for i in range(500)])
+    tokens, logp = keyed_sample(logits.expand(500, 3), keys, 0, 1.0, 1.0, banned)
+    assert (tokens != 0).all()
+    assert torch.allclose(logp, logits.log_softmax(-1)[0, 1].expand(500))
+    greedy, _ = keyed_sample(logits, keys[:1], 0, 0.0, 1.0, banned)
+    assert greedy.item() in (1, 2)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 11)
+    tokens, logp = keyed_sample(logits, torch.zeros(5, dtype=torch.long), 0, 0.0, 1.0)
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert torch.allclose(logp, logits.log_softmax(-1).max(-1).values)
+    assert math.isclose(float(logp.exp().sum()), float(logits.softmax(-1).max(-1).values.sum()), rel_tol=1e-6)

@@ -268,11 +268,13 @@ def make_experiment(root: Path) -> Path:
                            actor__pg_loss=-1.0 if step == 110 and not resumed else 0.01),
             "perf/throughput": 50.0,
         })
+    lines[-1]["actor/pg_loss"] = None  # how the tracker writes a NaN loss
     write_lines(exp / "metrics.jsonl", lines)
+    write_lines(exp / "val" / "step_000050.generations.jsonl", [{"index": 0, "response": "not a record"}])
     for step, (fmt, acc) in {0: (0.1, 0.0), 50: (0.9, 0.1), 100: (0.97, 0.3), 150: (0.99, 0.31)}.items():
-        record = {"step": step, "val/format_reward": fmt, "val/accuracy_reward": acc, "val/overall_reward": 0.5 * (fmt + acc),
-                  "val_response_length/mean": 100.0 - step / 10, "val_response_length/clip_ratio": 0.1,
-                  "timing_s/validation": 20.0, "samples": samples(step)}
+        record = {"step": step, "val/format_reward": fmt, "val/accuracy_reward": acc,
+                  "val/overall_reward": 0.5 * (fmt + acc), "val_response_length/mean": 100.0 - step / 10,
+                  "val_response_length/clip_ratio": 0.1, "timing_s/validation": 20.0, "samples": samples(step)}
         (exp / "val" / f"step_{step:06d}.json").write_text(json.dumps(record))
     return exp
 
@@ -298,6 +300,7 @@ def test_build_report_writes_every_file_and_escapes_text(tmp_path):
     assert summary["phases"]["format_learned_step"] == 100
     assert summary["stability"]["grad_norm_over_clip_steps"] == 2
     assert summary["stability"]["pg_loss_min"] == 0.01  # the pre-resume outlier was overridden
+    assert summary["stability"]["nonfinite_steps"] == 1  # step 150's null loss
     assert summary["efficiency"]["val_step_s_mean"] == pytest.approx(30.0)  # 10 s step + 20 s validation job
     page = (out / "report.html").read_text()
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
@@ -351,3 +354,8 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path)])
     assert "one of the arguments --experiment-dir --from-easyr1 is required" in capsys.readouterr().err
+
+
+def test_every_figure_group_has_a_snakemake_caption():
+    groups = {group for _title, group in FIGURES.values()} | {"report"}
+    assert {p.stem for p in (REPO / "workflow" / "report").glob("*.rst")} >= groups

@@ -12,7 +12,8 @@ The rules, stated once here and repeated in the report (RULES):
 - KL trend: a least-squares line through actor/kl_loss over the second half of the training steps;
   "rising" when the line climbs by more than 50% of that half's mean KL, else "bounded".
 - Non-finite step: a training step that skipped an update (actor/nonfinite_skipped > 0), whose
-  reward, loss, entropy or grad-norm metric (NONFINITE_WATCH) is NaN, ±Inf or missing, or that
+  reward, loss, entropy or grad-norm metric (NONFINITE_WATCH) is NaN, ±Inf, null (how our tracker
+  writes non-finite values) or missing, or that
   logged ±Inf in any training metric.
 - Over the clip threshold: actor/grad_norm (the norm before clipping) > max_grad_norm.
 - Clip fraction: pg_clipfrac_higher + pg_clipfrac_lower per step, averaged over training steps.
@@ -85,7 +86,7 @@ RULES = {
     ),
     "nonfinite": (
         "Non-finite step: a training step that skipped an update (actor/nonfinite_skipped > 0), whose "
-        f"{', '.join(NONFINITE_WATCH)} is NaN, ±Inf or missing, or that logged ±Inf in any training metric."
+        f"{', '.join(NONFINITE_WATCH)} is NaN, ±Inf, null or missing, or that logged ±Inf in any training metric."
     ),
     "grad_clip": "Over the clip threshold: grad_norm (before clipping) > max_grad_norm.",
     "clipfrac": "Clip fraction: pg_clipfrac_higher + pg_clipfrac_lower per step, averaged over training steps.",

@@ -10,7 +10,7 @@ from pathlib import Path
 from vlgrpo.report import analysis as A
 from vlgrpo.report.html import SampleColumn, render_html
 from vlgrpo.report.narrative import narrative
-from vlgrpo.report.plots import FIGURES, FigureContext, render_figures
+from vlgrpo.report.plots import FIGURES, WIDE_FIGURES, FigureContext, render_figures
 from vlgrpo.report.records import Record, merge_records
 
 REPORT_HTML = "report.html"
@@ -73,6 +73,7 @@ def build_report(
         sections=sections,
         rules=A.RULES,
         figures={name: (FIGURES[name][0], png) for name, png in pngs.items()},
+        wide_figures=WIDE_FIGURES,
         samples=sample_columns(frame),
     )
     out_dir = Path(out_dir)

@@ -25,17 +25,25 @@ h3 { font-size: 15px; margin: 16px 0 6px; }
 .card .label { color: #666; font-size: 12px; }
 .card .value { font-size: 20px; font-weight: 600; }
 .card .note { color: #888; font-size: 12px; }
-.analysis { display: grid; grid-template-columns: repeat(auto-fit, minmax(560px, 1fr)); gap: 0 32px; }
+.analysis { columns: 2 520px; column-gap: 36px; }
+.analysis section { break-inside: avoid; padding-bottom: 10px; }
+.analysis h3 { margin-top: 0; }
 .analysis ul { margin: 0; padding-left: 20px; }
 .analysis li { margin: 3px 0; }
 .figures { display: grid; grid-template-columns: repeat(auto-fit, minmax(600px, 1fr)); gap: 16px; }
 figure { margin: 0; background: #fff; border: 1px solid #e3e3e3; border-radius: 6px; padding: 8px; }
+figure.wide { grid-column: 1 / -1; }
 figure img { width: 100%; height: auto; display: block; }
 figcaption { color: #666; font-size: 12px; margin-top: 4px; }
 table.samples { border-collapse: collapse; width: 100%; table-layout: fixed; background: #fff; }
-table.samples th, table.samples td { border: 1px solid #e3e3e3; padding: 6px 8px; vertical-align: top; text-align: left; }
+table.samples th, table.samples td {
+  border: 1px solid #e3e3e3; padding: 6px 8px; vertical-align: top; text-align: left;
+}
 table.samples th { background: #f0f0f0; }
-.text { white-space: pre-wrap; word-break: break-word; max-height: 260px; overflow: auto; font: 12px/1.4 ui-monospace, Menlo, Consolas, monospace; }
+.text {
+  white-space: pre-wrap; word-break: break-word; max-height: 260px; overflow: auto;
+  font: 12px/1.4 ui-monospace, Menlo, Consolas, monospace;
+}
 .score { display: inline-block; font-size: 12px; padding: 1px 6px; border-radius: 4px; margin-bottom: 4px; }
 .correct { background: #d9f2dc; } .formatted { background: #fdecc8; } .wrong { background: #f8d4d4; }
 .rules li { margin: 3px 0; }
@@ -63,33 +71,37 @@ def image_tag(png: bytes, alt: str) -> str:
 
 def card(label: str, value: str, note: str = "") -> str:
     note_html = f'<div class="note">{esc(note)}</div>' if note else ""
-    return f'<div class="card"><div class="label">{esc(label)}</div><div class="value">{esc(value)}</div>{note_html}</div>'
+    return (
+        f'<div class="card"><div class="label">{esc(label)}</div>'
+        f'<div class="value">{esc(value)}</div>{note_html}</div>'
+    )
 
 
-def step_note(step: int | None) -> str:
-    return f"step {step}" if step is not None else "not reached"
+def fmt(value: float | None, spec: str, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
 def key_numbers(summary: dict) -> str:
     val, phases, stab, eff = summary["val"], summary["phases"], summary["stability"], summary["efficiency"]
     first, best, final = val["first"] or {}, val["best"] or {}, val["final"] or {}
-
-    def seconds(value: float | None) -> str:
-        return "n/a" if value is None else f"{value:.1f} s"
-
+    learned, plateau = phases["format_learned_step"], phases["plateau_start_step"]
+    memory = eff["peak_memory_allocated_gb"]
     cards = [
-        card("Validation accuracy", pct(final.get("accuracy")), f"from {pct(first.get('accuracy'))} at step {first.get('step')}"),
-        card("Best accuracy", pct(best.get("accuracy")), step_note(best.get("step"))),
+        card("Validation accuracy", pct(final.get("accuracy")),
+             f"from {pct(first['accuracy'])} at step {first['step']}" if first else ""),
+        card("Best accuracy", pct(best.get("accuracy")), f"step {best['step']}" if best else ""),
         card("Validation format", pct(final.get("format")), f"from {pct(first.get('format'))}"),
-        card("Format learned", str(phases["format_learned_step"] if phases["format_learned_step"] is not None else "—"), f"first val format ≥ {FORMAT_LEARNED_THRESHOLD:.0%}"),
-        card("Plateau from", str(phases["plateau_start_step"] if phases["plateau_start_step"] is not None else "—"), "step"),
+        card("Format learned", "—" if learned is None else str(learned),
+             f"first val format ≥ {FORMAT_LEARNED_THRESHOLD:.0%}"),
+        card("Plateau from", "—" if plateau is None else str(plateau), "not reached" if plateau is None else "step"),
         card("Training steps", str(summary["train_steps"]), f"last step {summary['steps']}"),
         card("Non-finite steps", str(stab["nonfinite_steps"])),
         card("Grad norm > clip", str(stab["grad_norm_over_clip_steps"]), f"mean {num(stab['grad_norm_mean'])}"),
         card("KL loss trend", stab["kl_loss_trend"] or "n/a"),
-        card("Normal step", seconds(eff["normal_step_s_mean"]), f"with validation {seconds(eff['val_step_s_mean'])}"),
-        card("Throughput / GPU", "n/a" if eff["throughput_per_gpu_mean"] is None else f"{eff['throughput_per_gpu_mean']:.0f} tok/s"),
-        card("Peak memory", "n/a" if eff["peak_memory_allocated_gb"] is None else f"{eff['peak_memory_allocated_gb']:.1f} GB", "allocated"),
+        card("Normal step", fmt(eff["normal_step_s_mean"], ".1f", " s"),
+             f"with validation {fmt(eff['val_step_s_mean'], '.1f', ' s')}"),
+        card("Throughput / GPU", fmt(eff["throughput_per_gpu_mean"], ".0f", " tok/s")),
+        card("Peak memory", fmt(memory, ".1f", " GB"), "allocated" if memory is not None else "not logged"),
     ]
     return '<div class="cards">' + "".join(cards) + "</div>"
 
@@ -102,18 +114,19 @@ def analysis_html(sections: list[Section]) -> str:
     return '<div class="analysis">' + "".join(blocks) + "</div>"
 
 
-def figures_html(figures: dict[str, tuple[str, bytes]]) -> str:
+def figures_html(figures: dict[str, tuple[str, bytes]], wide: frozenset[str]) -> str:
     blocks = [
-        f"<figure>{image_tag(png, title)}<figcaption>{esc(title)} · {esc(name)}</figcaption></figure>"
+        f'<figure class="{"wide" if name in wide else ""}">{image_tag(png, title)}'
+        f"<figcaption>{esc(name)}</figcaption></figure>"
         for name, (title, png) in figures.items()
     ]
     return '<div class="figures">' + "".join(blocks) + "</div>"
 
 
 def score_html(sample: dict) -> str:
-    accuracy, fmt = float(sample.get("accuracy") or 0), float(sample.get("format") or 0)
-    kind = "correct" if accuracy >= 1 else "formatted" if fmt >= 1 else "wrong"
-    text = f"overall {num(sample.get('overall'), 2)} · format {num(sample.get('format'), 2)} · accuracy {num(sample.get('accuracy'), 2)}"
+    accuracy, format_score = float(sample.get("accuracy") or 0), float(sample.get("format") or 0)
+    kind = "correct" if accuracy >= 1 else "formatted" if format_score >= 1 else "wrong"
+    text = " · ".join(f"{key} {num(sample.get(key), 2)}" for key in ("overall", "format", "accuracy"))
     return f'<span class="score {kind}">{esc(text)}</span>'
 
 
@@ -151,9 +164,10 @@ def render_html(
     sections: list[Section],
     rules: dict[str, str],
     figures: dict[str, tuple[str, bytes]],
+    wide_figures: frozenset[str] = frozenset(),
     samples: list[SampleColumn],
 ) -> str:
-    """The whole page as one string. figures: {file name: (title, PNG bytes)}."""
+    """The whole page as one string. figures: {file name: (title, PNG bytes)}; wide_figures span the page."""
     rules_html = "".join(f"<li>{esc(rule)}</li>" for rule in rules.values())
     return f"""<!DOCTYPE html>
 <html lang="en">
@@ -171,7 +185,7 @@ def render_html(
 <h2>Analysis</h2>
 {analysis_html(sections)}
 <h2>Figures</h2>
-{figures_html(figures)}
+{figures_html(figures, wide_figures)}
 <h2>Validation samples</h2>
 {samples_html(samples)}
 <h2>Rules</h2>

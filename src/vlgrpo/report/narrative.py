@@ -207,9 +207,10 @@ def efficiency_section(frame: pd.DataFrame, summary: dict, *, validation_in_step
         gpus = f" ({n_gpus} GPUs)" if n_gpus else ""
         items.append(f"Throughput: {eff['throughput_per_gpu_mean']:.1f} tokens/s per GPU on normal steps{gpus}.")
     if eff["peak_memory_allocated_gb"] is not None:
+        reserved = eff["peak_memory_reserved_gb"]
         items.append(
             f"Peak GPU memory: {eff['peak_memory_allocated_gb']:.1f} GB allocated, "
-            f"{num(eff['peak_memory_reserved_gb'], 3)} GB reserved."
+            + ("reserved not logged." if reserved is None else f"{reserved:.1f} GB reserved.")
         )
     return Section("Efficiency", items)
 

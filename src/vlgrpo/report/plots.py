@@ -37,6 +37,8 @@ FIGURES: dict[str, tuple[str, str]] = {
     "memory.png": ("Peak GPU memory", "efficiency"),
 }
 
+WIDE_FIGURES = frozenset({"kl.png", "response_length.png"})
+
 COLORS = {"overall": "#333333", "format": "#1f77b4", "accuracy": "#d62728"}
 PHASE_COLORS = {
     "gen": "#4e79a7",
@@ -73,7 +75,8 @@ class FigureContext:
 
 
 def _axes(ncols: int = 1, title: str = "") -> tuple[plt.Figure, list[plt.Axes]]:
-    fig, axes = plt.subplots(1, ncols, figsize=(4.6 * ncols if ncols > 1 else 8, 3.4), squeeze=False)
+    """One row of axes; two-panel figures are drawn wide (WIDE_FIGURES span the page)."""
+    fig, axes = plt.subplots(1, ncols, figsize=(8 if ncols == 1 else 13, 3.4), squeeze=False)
     if title:
         fig.suptitle(title, fontsize=11, x=0.01, ha="left")
     for ax in axes[0]:
@@ -187,7 +190,8 @@ def clipfrac(frame: pd.DataFrame, ctx: FigureContext) -> plt.Figure:
     fig, (ax,) = _axes(title=FIGURES["clipfrac.png"][0])
     train = A.training_rows(frame)
     drawn = False
-    for key, label in ((A.CLIPFRAC_HIGHER, "higher (ratio > 1 + ε_high)"), (A.CLIPFRAC_LOWER, "lower (ratio < 1 − ε_low)")):
+    bounds = ((A.CLIPFRAC_HIGHER, "higher (ratio > 1 + ε_high)"), (A.CLIPFRAC_LOWER, "lower (ratio < 1 − ε_low)"))
+    for key, label in bounds:
         drawn |= _train_line(ax, A.column(train, key) * 100, label)
     if not drawn:
         _no_data(ax, "clip fractions")
@@ -254,7 +258,7 @@ def step_time(frame: pd.DataFrame, ctx: FigureContext) -> plt.Figure:
             ax.bar(steps, values.to_numpy(), width, bottom=bottom, color=PHASE_COLORS[name], label=name, lw=0)
             bottom += values.to_numpy()
     ax.set_ylabel("seconds")
-    _legend(ax, ncols=4, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    _legend(ax, ncols=5, loc="upper center", bbox_to_anchor=(0.5, -0.18))
     return fig
 
 

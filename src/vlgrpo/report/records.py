@@ -11,7 +11,9 @@ validation-only re-validation of a step never erases that step's training keys).
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ Record = dict[str, Any]
 SAMPLES_KEY = "samples"
 METRICS_FILE = "metrics.jsonl"
 VAL_DIR = "val"
-VAL_GLOB = "step_*.json"
+VAL_FILE = re.compile(r"step_\d+\.json")
 
 
 class RecordError(ValueError):
@@ -45,9 +47,11 @@ def flatten(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def to_record(raw: Mapping[str, Any], where: str) -> Record:
     """Validate and normalise one parsed JSON object into a record.
 
-    Metric keys ("group/name") must hold numbers (NaN and ±Inf are kept: they are findings, not
-    errors); JSON null means "not logged" and is dropped. Top-level keys without a "/" other than
-    "step" and "samples" are metadata and are ignored. `where` ("file:line") goes into errors.
+    Metric keys ("group/name") must hold numbers. NaN and ±Inf are kept (they are findings, not
+    errors), and JSON null is read as NaN: our tracker writes non-finite values as null, and a
+    re-logged step's null must override the value an earlier launch logged. Top-level keys without a
+    "/" other than "step" and "samples" are metadata and are ignored. `where` ("file:line") goes
+    into errors.
     """
     if not isinstance(raw, Mapping):
         raise RecordError(f"{where}: expected a JSON object, got {type(raw).__name__}")
@@ -63,8 +67,10 @@ def to_record(raw: Mapping[str, Any], where: str) -> Record:
             if not isinstance(value, list) or not all(isinstance(s, Mapping) for s in value):
                 raise RecordError(f"{where}: '{SAMPLES_KEY}' must be a list of objects")
             record[key] = [dict(s) for s in value]
-        elif "/" not in key or value is None:
+        elif "/" not in key:
             continue
+        elif value is None:
+            record[key] = math.nan
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             record[key] = float(value)
         else:
@@ -116,10 +122,10 @@ def read_experiment(exp_dir: str | os.PathLike) -> list[Record]:
         raise RecordError(f"experiment folder not found: {exp_dir}")
     metrics = exp_dir / METRICS_FILE
     records = read_jsonl(metrics) if metrics.is_file() else []
-    val_records = [read_json(p) for p in sorted((exp_dir / VAL_DIR).glob(VAL_GLOB))]
-    records += sorted(val_records, key=lambda r: r["step"])
+    val_files = [p for p in sorted((exp_dir / VAL_DIR).glob("step_*.json")) if VAL_FILE.fullmatch(p.name)]
+    records += sorted((read_json(p) for p in val_files), key=lambda r: r["step"])
     if not records:
-        raise RecordError(f"no records in {exp_dir}: neither {METRICS_FILE} nor {VAL_DIR}/{VAL_GLOB}")
+        raise RecordError(f"no records in {exp_dir}: neither {METRICS_FILE} nor {VAL_DIR}/step_XXXXXX.json")
     return records
 
 

@@ -17,6 +17,7 @@ import yaml
 from vlgrpo.config import validate, write_resolved
 from vlgrpo.report import FIGURES, RecordError, build_report, main, merge_records, read_easyr1, read_experiment
 from vlgrpo.report import analysis as A
+from vlgrpo.tracking import append_record
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -257,7 +258,7 @@ def samples(step: int) -> list[dict]:
 
 
 def make_experiment(root: Path) -> Path:
-    """results/<exp>/ as the trainer and evaluator write it, resumed once (steps 101-120 logged twice)."""
+    """results/<exp>/ as the tracker and evaluator write it, resumed once (steps 101-120 logged twice)."""
     exp = root / "exp"
     (exp / "val").mkdir(parents=True)
     lines = []
@@ -268,8 +269,9 @@ def make_experiment(root: Path) -> Path:
                            actor__pg_loss=-1.0 if step == 110 and not resumed else 0.01),
             "perf/throughput": 50.0,
         })
-    lines[-1]["actor/pg_loss"] = None  # how the tracker writes a NaN loss
-    write_lines(exp / "metrics.jsonl", lines)
+    lines[-1]["actor/pg_loss"] = math.nan  # the tracker writes it as null
+    for line in lines:
+        append_record(exp / "metrics.jsonl", line)
     write_lines(exp / "val" / "step_000050.generations.jsonl", [{"index": 0, "response": "not a record"}])
     for step, (fmt, acc) in {0: (0.1, 0.0), 50: (0.9, 0.1), 100: (0.97, 0.3), 150: (0.99, 0.31)}.items():
         record = {"step": step, "val/format_reward": fmt, "val/accuracy_reward": acc,

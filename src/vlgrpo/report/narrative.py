@@ -204,7 +204,7 @@ def efficiency_section(frame: pd.DataFrame, summary: dict, *, validation_in_step
             + f", everything else {rest:.0%}."
         )
     if eff["throughput_per_gpu_mean"] is not None:
-        gpus = f" ({n_gpus} GPUs)" if n_gpus else ""
+        gpus = f" ({n_gpus} GPU{'s' if n_gpus != 1 else ''})" if n_gpus else ""
         items.append(f"Throughput: {eff['throughput_per_gpu_mean']:.1f} tokens/s per GPU on normal steps{gpus}.")
     if eff["peak_memory_allocated_gb"] is not None:
         reserved = eff["peak_memory_reserved_gb"]

@@ -18,6 +18,7 @@ DEMO = CFG["demo"]["out_dir"]
 DEMO_DATA = f"{DEMO}/geometry_synth"
 DEMO_SPLITS = ["train", "validation", "test"]
 STEP = r"\d{6}"
+CONDA_ENV = str(Path(workflow.basedir) / "envs" / "vlgrpo.yaml")  # snakemake --use-conda
 
 # Written at parse time, and only when it changes: jobs read it, but the rerun decision rests on the
 # `params` hashes below, so raising max_steps only adds segments.

@@ -15,5 +15,7 @@ checkpoint filter_data:
         key=config_key("data", "model.path", "worker.rollout.batch_size"),
     log:
         f"{EXP}/logs/filter_{{split}}.log",
+    conda:
+        CONDA_ENV
     shell:
         "vlgrpo filter --config {params.config} --split {wildcards.split} > {log} 2>&1"

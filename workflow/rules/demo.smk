@@ -10,6 +10,8 @@ rule demo_data:
         key=config_key("seed", "demo"),
     log:
         f"{DEMO}/logs/demo_data.log",
+    conda:
+        CONDA_ENV
     shell:
         "vlgrpo make-demo-data --config {params.config} > {log} 2>&1"
 
@@ -26,5 +28,7 @@ if CFG["model"]["path"].startswith(DEMO):
             key=config_key("seed", "demo", "data.min_pixels", "data.max_pixels", "data.format_prompt"),
         log:
             f"{DEMO}/logs/demo_model.log",
+        conda:
+            CONDA_ENV
         shell:
             "vlgrpo make-demo-model --config {params.config} > {log} 2>&1"

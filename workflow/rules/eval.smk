@@ -26,5 +26,7 @@ rule evaluate:
         gpu=EVAL_GPUS,
     log:
         f"{EXP}/logs/evaluate_{{step}}.log",
+    conda:
+        CONDA_ENV
     shell:
         "vlgrpo evaluate --config {params.config} --step {wildcards.step} > {log} 2>&1"

@@ -35,5 +35,7 @@ rule report:
         out=paths.REPORT.format(exp=EXP),
     log:
         f"{EXP}/logs/report.log",
+    conda:
+        CONDA_ENV
     shell:
         "vlgrpo report --experiment-dir {params.exp} --out {params.out} --config {params.config} > {log} 2>&1"

@@ -30,5 +30,7 @@ rule train_segment:
         gpu=TRAIN_GPUS,
     log:
         f"{EXP}/logs/train_{{step}}.log",
+    conda:
+        CONDA_ENV
     shell:
         "vlgrpo train --config {params.config} --end-step {wildcards.step} >> {log} 2>&1"

@@ -1,0 +1,439 @@
+"""Dataset filtering stage on the real Geometry3K and the real Qwen2.5-VL-3B processor (no weights)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from qwen_vl_utils import smart_resize as qwen_vl_utils_smart_resize
+
+from vlgrpo import data
+from vlgrpo.config import validate
+from vlgrpo.data import (
+    DataError,
+    check_model_folder,
+    encode_prompts,
+    filter_split,
+    format_prompt,
+    load_filtered,
+    load_processor,
+    load_split,
+    render_prompt,
+    resize_image,
+    resized_size,
+)
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+GEO3K = SHARED / "geometry3k"
+QWEN = SHARED / "qwen2_5_vl_3b"
+
+# The seed recipe's values.
+MIN_PIXELS, MAX_PIXELS, MAX_PROMPT_LENGTH, BATCH = 262144, 524288, 2048, 32
+IMAGE_PAD, VISION_START, VISION_END, IM_START, PAD = 151655, 151652, 151653, 151644, 151643
+
+R1V = (
+    " A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The assistant first thinks about the reasoning process in the mind and then provides the user with "
+    "the answer. The reasoning process and answer are enclosed within <think> </think> and <answer> "
+    "</answer> tags, respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>"
+)
+# Train rows of different sizes: 161x142 (far below min_pixels), 378x250 (below), 864x434 (inside),
+# 1604x440 (above max_pixels).
+SIZED_ROWS = {597: (161, 142), 561: (378, 250), 0: (864, 434), 124: (1604, 440)}
+
+needs_shared = pytest.mark.skipif(not (GEO3K.is_dir() and QWEN.is_dir()), reason="shared/data is absent")
+
+
+@pytest.fixture(scope="module")
+def processor():
+    if not QWEN.is_dir():
+        pytest.skip("shared/data/qwen2_5_vl_3b is absent")
+    return load_processor(str(QWEN), MIN_PIXELS, MAX_PIXELS)
+
+
+@pytest.fixture(scope="module")
+def train_table():
+    if not GEO3K.is_dir():
+        pytest.skip("shared/data/geometry3k is absent")
+    return pq.read_table(GEO3K / "train.parquet")
+
+
+@pytest.fixture(scope="module")
+def saved_model(processor, tmp_path_factory) -> Path:
+    """The processor saved in the layout transformers 5 writes, next to the real config.json."""
+    folder = tmp_path_factory.mktemp("saved_model")
+    processor.save_pretrained(folder)
+    shutil.copy(QWEN / "config.json", folder / "config.json")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def filtered(processor, train_table, tmp_path_factory) -> dict:
+    """The first 33 train rows filtered with the seed recipe: source, outputs and stats."""
+    folder = tmp_path_factory.mktemp("filtered")
+    source = subset(train_table, list(range(33)), folder / "src.parquet")
+    stats = filter_split(seed_cfg(str(source)), "train", folder / "train.parquet", folder / "train.stats.json", workers=1)
+    return {"source": source, "parquet": folder / "train.parquet", "stats_file": folder / "train.stats.json", "stats": stats}
+
+
+def seed_cfg(train: str, val: str | None = None, **data_overrides) -> dict:
+    return validate(
+        {
+            "experiment": "test",
+            "model": {"path": str(QWEN)},
+            "data": {
+                "train": train,
+                "val": val or train,
+                "min_pixels": MIN_PIXELS,
+                "max_pixels": MAX_PIXELS,
+                "max_prompt_length": MAX_PROMPT_LENGTH,
+                "format_prompt": "r1v",
+                **data_overrides,
+            },
+            "worker": {"rollout": {"batch_size": BATCH}},
+        }
+    )
+
+
+def source_image(table: pa.Table, row: int) -> Image.Image:
+    return Image.open(io.BytesIO(table.column("images")[row][0]["bytes"].as_py()))
+
+
+def png(size=(64, 48), mode="RGB", color=(200, 30, 30)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new(mode, size, color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    schema = pa.schema(
+        [
+            ("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))),
+            ("problem", pa.string()),
+            ("answer", pa.string()),
+        ]
+    )
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return path
+
+
+def subset(table: pa.Table, rows: list[int], path: Path) -> Path:
+    pq.write_table(table.take(rows), path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Templates and prompts
+
+
+def test_builtin_templates_render_easyr1_text():
+    assert format_prompt("  <image>Find x.\n", "r1v") == "<image>Find x." + R1V
+    assert format_prompt("<image>Find x.", "math") == (
+        "<image>Find x. FIRST reason step by step and then provide the final answer. "
+        "The final answer MUST BE put in \\boxed{}."
+    )
+
+
+def test_user_template_file_and_template_errors(tmp_path):
+    user = tmp_path / "ask.jinja"
+    user.write_text("Q: {{ content }}\n")
+    assert format_prompt("1+1?", str(user)) == "Q: 1+1?"
+    with pytest.raises(DataError, match=r"'nope': not one of \['math', 'r1v'\]"):
+        format_prompt("x", "nope")
+    lost = tmp_path / "lost.jinja"
+    lost.write_text("Answer briefly.")
+    with pytest.raises(DataError, match="never uses"):
+        format_prompt("x", str(lost))
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{{ content ")
+    with pytest.raises(DataError, match="Jinja syntax error"):
+        format_prompt("x", str(broken))
+
+
+@needs_shared
+def test_rendered_prompt_ids_equal_hand_written_chat(processor, train_table):
+    problem = train_table.column("problem")[0].as_py()
+    assert problem == "<image>$\\triangle RST \\cong \\triangle XYZ$. Find $y$."
+    image = resize_image(source_image(train_table, 0), MIN_PIXELS, MAX_PIXELS)
+    assert image.size == (868, 448)  # 864x434 snapped to multiples of 28
+    n_image_tokens = (448 // 28) * (868 // 28)
+
+    prompt = render_prompt(processor, problem, "r1v")
+    expected = (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
+        "$\\triangle RST \\cong \\triangle XYZ$. Find $y$." + R1V + "<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert prompt == expected
+
+    ids = processor(images=[image], text=[prompt], add_special_tokens=False)["input_ids"][0]
+    expanded = expected.replace("<|image_pad|>", "<|image_pad|>" * n_image_tokens)
+    assert ids == processor.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+    start = ids.index(VISION_START)
+    assert ids[:start] == [IM_START, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198, IM_START, 872, 198]
+    assert ids[start + 1 : start + 1 + n_image_tokens] == [IMAGE_PAD] * n_image_tokens
+    assert ids[start + 1 + n_image_tokens] == VISION_END
+    assert ids.count(IMAGE_PAD) == n_image_tokens == 496
+    assert ids[-3:] == [IM_START, 77091, 198]  # "<|im_start|>assistant\n"
+    assert processor.tokenizer.decode(ids[start + 2 + n_image_tokens : -5]) == problem[len("<image>") :] + R1V
+
+
+# ---------------------------------------------------------------------------------------------
+# Images
+
+
+def test_resized_size_is_easyr1_prescale_then_smart_resize():
+    assert resized_size(864, 434, MIN_PIXELS, MAX_PIXELS) == (868, 448)  # inside: snap only
+    assert resized_size(161, 142, MIN_PIXELS, MAX_PIXELS) == (560, 504)  # 545x480 up, then ceil to 28
+    assert resized_size(1604, 440, MIN_PIXELS, MAX_PIXELS) == (1372, 364)  # 1382x379 down, then floor
+    for width, height in [(161, 142), (378, 250), (864, 434), (1604, 440), (666, 803), (31, 2000)]:
+        w, h = resized_size(width, height, MIN_PIXELS, MAX_PIXELS)
+        assert w % 28 == h % 28 == 0 and MIN_PIXELS <= w * h <= MAX_PIXELS
+        # The processor's own smart_resize (and qwen-vl-utils') leave the result unchanged.
+        assert qwen_vl_utils_smart_resize(h, w, 28, MIN_PIXELS, MAX_PIXELS) == (h, w)
+    with pytest.raises(ValueError, match="aspect ratio"):
+        resized_size(1, 300, MIN_PIXELS, MAX_PIXELS)
+    with pytest.raises(ValueError, match="stable"):  # min == max leaves no 28-multiple size for 3:4
+        resized_size(300, 400, 12544, 12544)
+
+
+def test_resize_image_resizes_then_converts_like_easyr1():
+    size = resized_size(100, 80, 784, 784 * 16)
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (80, 100, 4), dtype=np.uint8)
+    for alpha in (None, 255):  # translucent, then opaque (the fast path must give the same pixels)
+        if alpha is not None:
+            pixels[..., 3] = alpha
+        rgba = Image.fromarray(pixels, "RGBA")
+        out = resize_image(rgba, 784, 784 * 16)
+        assert out.mode == "RGB" and out.size == size
+        assert np.array_equal(np.asarray(out), np.asarray(rgba.resize(size).convert("RGB")))
+    palette = Image.new("P", (100, 80), 3)
+    assert resize_image(palette, 784, 784 * 16).mode == "RGB"
+
+
+@needs_shared
+@pytest.mark.parametrize("row", sorted(SIZED_ROWS))
+def test_image_tokens_equal_resized_area_over_28_squared(processor, train_table, row):
+    source = source_image(train_table, row)
+    assert source.size == SIZED_ROWS[row]
+    image = resize_image(source, MIN_PIXELS, MAX_PIXELS)
+    w, h = image.size
+    assert image.mode == "RGB" and w % 28 == 0 and h % 28 == 0 and MIN_PIXELS <= w * h <= MAX_PIXELS
+    prompt = render_prompt(processor, train_table.column("problem")[row].as_py(), "r1v")
+    inputs = processor(images=[image], text=[prompt], return_tensors="pt")
+    assert int((inputs["input_ids"] == IMAGE_PAD).sum()) == (h // 28) * (w // 28)
+    assert inputs["image_grid_thw"].tolist() == [[1, h // 14, w // 14]]
+    # The processor did not resample the resized image: same pixels as with resizing switched off.
+    unresized = processor(images=[image], text=[prompt], return_tensors="pt", do_resize=False)
+    assert torch.equal(inputs["pixel_values"], unresized["pixel_values"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: datasets and the model folder
+
+
+@needs_shared
+def test_load_split_local_file_folder_and_errors(tmp_path, train_table):
+    file = subset(train_table, [0, 1, 2], tmp_path / "a.parquet")
+    ds = load_split(str(file), "images", "problem", "answer")
+    assert len(ds) == 3 and ds[0]["answer"] == "15"
+    subset(train_table, [3, 4], tmp_path / "b.parquet")
+    assert len(load_split(str(tmp_path), "images", "problem", "answer")) == 5
+
+    with pytest.raises(FileNotFoundError, match="not found: .*missing.parquet"):
+        load_split(str(tmp_path / "missing.parquet"), "images", "problem", "answer")
+    with pytest.raises(DataError, match=r"missing column\(s\) 'question'; the columns there are 'images', 'problem', 'answer'"):
+        load_split(str(file), "images", "question", "answer")
+    with pytest.raises(DataError, match="bad data spec 'hiyouga/geometry3k'"):
+        load_split("hiyouga/geometry3k", "images", "problem", "answer")  # no @split
+    with pytest.raises(DataError, match="bad data spec"):
+        load_split("not a spec@train", "images", "problem", "answer")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no \\*.parquet"):
+        load_split(str(tmp_path / "empty"), "images", "problem", "answer")
+
+
+def test_load_split_hub_id_goes_to_datasets(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(name, split):
+        calls.append((name, split))
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(data.datasets, "load_dataset", fake_load_dataset)
+    with pytest.raises(DataError, match="cannot load data 'hiyouga/geometry3k@test\\[:10\\]'.*offline"):
+        load_split("hiyouga/geometry3k@test[:10]", "images", "problem", "answer")
+    assert calls == [("hiyouga/geometry3k", "test[:10]")]
+
+
+def test_model_path_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model path not found"):
+        load_processor(str(tmp_path / "no_model"), MIN_PIXELS, MAX_PIXELS)
+    (tmp_path / "README.md").write_text("not a model")
+    with pytest.raises(DataError, match="not a Qwen2.5-VL model folder; missing config.json; an image processor"):
+        load_processor(str(tmp_path), MIN_PIXELS, MAX_PIXELS)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(DataError, match="model_type 'llama', expected 'qwen2_5_vl'"):
+        check_model_folder(tmp_path)
+
+
+@needs_shared
+def test_processor_bounds_padding_and_saved_layout(processor, saved_model):
+    assert (processor.image_processor.size.shortest_edge, processor.image_processor.size.longest_edge) == (
+        MIN_PIXELS,
+        MAX_PIXELS,
+    )
+    assert processor.tokenizer.padding_side == "left"
+    # The layout transformers 5 saves (processor_config.json, tokenizer.json, chat_template.jinja)
+    # is a model folder too, and bounds given at load time win over the saved ones.
+    check_model_folder(saved_model)
+    other = load_processor(str(saved_model), 12544, 12544)
+    assert (other.image_processor.size.shortest_edge, other.image_processor.size.longest_edge) == (12544, 12544)
+
+
+# ---------------------------------------------------------------------------------------------
+# Filtering
+
+
+@needs_shared
+def test_filter_split_writes_rendered_rows_and_stats(filtered, processor, train_table):
+    stats = filtered["stats"]
+    assert json.loads(filtered["stats_file"].read_text()) == stats
+    assert stats["rows_in"] == stats["rows_kept"] == 33 and sum(stats["dropped"].values()) == 0
+    assert stats["steps_per_epoch"] == 33 // BATCH == 1
+    out = pq.read_table(filtered["parquet"])
+    assert out.column_names == ["index", "images", "problem", "answer", "prompt", "prompt_length"]
+    assert out.schema.field("images").type == train_table.schema.field("images").type
+    assert not list(filtered["parquet"].parent.glob("*.tmp"))
+    lengths = out.column("prompt_length").to_pylist()
+    assert stats["prompt_length"] == {
+        "min": min(lengths),
+        "mean": pytest.approx(np.mean(lengths)),
+        "p50": pytest.approx(np.percentile(lengths, 50)),
+        "p95": pytest.approx(np.percentile(lengths, 95)),
+        "max": max(lengths),
+    }
+
+    # Every stored row is what training will see: same prompt, image, answer and token count.
+    for row in load_filtered(filtered["parquet"])[:4]:
+        i = row["index"]
+        assert row["problem"] == train_table.column("problem")[i].as_py()
+        assert row["answer"] == train_table.column("answer")[i].as_py()
+        assert row["prompt"] == render_prompt(processor, row["problem"], "r1v")
+        (image,) = row["images"]
+        assert image.mode == "RGB"
+        expected = resize_image(source_image(train_table, i), MIN_PIXELS, MAX_PIXELS)
+        assert np.array_equal(np.asarray(image), np.asarray(expected))
+        assert len(processor(images=[image], text=[row["prompt"]])["input_ids"][0]) == lengths[i]
+
+
+@needs_shared
+def test_low_max_prompt_length_drops_rows_and_stats_say_so(filtered, tmp_path):
+    full = pq.read_table(filtered["parquet"])
+    lengths = full.column("prompt_length").to_pylist()
+    limit = int(np.median(lengths))
+    too_long = [i for i, n in enumerate(lengths) if n > limit]
+    assert 0 < len(too_long) < 33
+
+    cfg = seed_cfg(str(filtered["source"]), max_prompt_length=limit)
+    stats = filter_split(cfg, "val", tmp_path / "v.parquet", tmp_path / "v.json", workers=2)
+    assert stats["dropped"]["prompt_too_long"] == len(too_long)
+    assert stats["rows_kept"] == 33 - len(too_long) and stats["steps_per_epoch"] == 0
+    assert stats["dropped_rows"] == {"prompt_too_long": too_long}
+    assert stats["prompt_length"]["max"] <= limit
+    # Two worker processes keep exactly the rows, images and prompts one process wrote.
+    kept = [i for i in range(33) if i not in too_long]
+    assert pq.read_table(tmp_path / "v.parquet").equals(full.take(kept))
+
+
+@needs_shared
+def test_each_bad_row_kind_is_dropped_with_its_reason(tmp_path):
+    good = {"images": [{"bytes": png(), "path": None}], "problem": "<image>Find x.", "answer": "3"}
+    bad = {
+        1: ("image_missing", {**good, "images": []}),
+        2: ("image_missing", {**good, "images": None}),
+        3: ("image_missing", {**good, "images": [{"bytes": None, "path": "gone.png"}]}),
+        4: ("image_undecodable", {**good, "images": [{"bytes": b"\x89PNG but not really", "path": None}]}),
+        5: ("image_undecodable", {**good, "images": [{"bytes": png()[:60], "path": None}]}),  # truncated
+        6: ("no_image_placeholder", {**good, "problem": "Find x."}),
+        7: ("more_placeholders_than_images", {**good, "problem": "<image><image>Compare."}),
+        8: ("fewer_placeholders_than_images", {**good, "images": good["images"] * 2}),
+        9: ("answer_empty", {**good, "answer": ""}),
+        10: ("answer_empty", {**good, "answer": None}),
+        11: ("problem_empty", {**good, "problem": " "}),
+        12: ("image_size_unsupported", {**good, "images": [{"bytes": png((1, 300)), "path": None}]}),
+    }
+    rows = [good] + [row for _, row in bad.values()] + [{**good, "problem": "<image> What is y?"}]
+    source = write_rows(tmp_path / "bad.parquet", rows)
+    stats = filter_split(seed_cfg(str(source)), "train", tmp_path / "t.parquet", tmp_path / "t.json", workers=1)
+
+    expected: dict[str, list[int]] = {}
+    for index, (reason, _) in bad.items():
+        expected.setdefault(reason, []).append(index)
+    assert stats["dropped_rows"] == expected
+    assert {k: v for k, v in stats["dropped"].items() if v} == {k: len(v) for k, v in expected.items()}
+    assert stats["rows_in"] == 14 and stats["rows_kept"] == 2 and stats["steps_per_epoch"] == 0
+    assert pq.read_table(tmp_path / "t.parquet").column("index").to_pylist() == [0, 13]
+
+
+@needs_shared
+def test_zero_usable_rows_is_an_error_and_writes_nothing(tmp_path):
+    source = write_rows(tmp_path / "bad.parquet", [{"images": [], "problem": "<image>x", "answer": "1"}] * 3)
+    with pytest.raises(DataError, match="no usable rows .*3 rows; dropped: \\{'image_missing': 3\\}"):
+        filter_split(seed_cfg(str(source)), "train", tmp_path / "t.parquet", tmp_path / "t.json", workers=1)
+    assert not list(tmp_path.glob("t.*"))
+
+
+@needs_shared
+def test_filter_split_checks_model_and_split_before_work(tmp_path):
+    cfg = seed_cfg(str(tmp_path / "absent.parquet"))
+    with pytest.raises(ValueError, match="split must be 'train' or 'val'"):
+        filter_split(cfg, "test", tmp_path / "t.parquet", tmp_path / "t.json")
+    cfg["model"]["path"] = str(tmp_path / "no_model")
+    with pytest.raises(FileNotFoundError, match="model path not found"):
+        filter_split(cfg, "train", tmp_path / "t.parquet", tmp_path / "t.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading back and encoding
+
+
+@needs_shared
+def test_encode_prompts_left_pads_a_batch(filtered, processor):
+    rows = load_filtered(filtered["parquet"])
+    assert [r["index"] for r in rows] == list(range(33))
+    assert all(set(r) == {"index", "images", "problem", "answer", "prompt"} for r in rows)
+    lengths = pq.read_table(filtered["parquet"]).column("prompt_length").to_pylist()
+    pick = [int(np.argmin(lengths)), int(np.argmax(lengths))]
+    rows, lengths = [rows[i] for i in pick], [lengths[i] for i in pick]
+
+    batch = encode_prompts(processor, rows)
+    longest = max(lengths)
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == batch["mm_token_type_ids"].shape == (2, longest)
+    for b, n in enumerate(lengths):
+        assert batch["attention_mask"][b].tolist() == [0] * (longest - n) + [1] * n
+        assert batch["input_ids"][b, : longest - n].eq(PAD).all()
+        assert batch["input_ids"][b, -3:].tolist() == [IM_START, 77091, 198]
+    sizes = [r["images"][0].size for r in rows]
+    assert batch["image_grid_thw"].tolist() == [[1, h // 14, w // 14] for w, h in sizes]
+    assert batch["pixel_values"].shape == (sum(w * h // 196 for w, h in sizes), 3 * 2 * 14 * 14)
+    assert batch["mm_token_type_ids"].sum() == sum(w * h // 784 for w, h in sizes)
+
+
+@needs_shared
+def test_encode_prompts_refuses_a_processor_that_would_resize(filtered, saved_model, tmp_path):
+    smaller = load_processor(str(saved_model), 12544, 50176)
+    with pytest.raises(ValueError, match="the processor resized images"):
+        encode_prompts(smaller, load_filtered(filtered["parquet"])[:1])
+    with pytest.raises(FileNotFoundError, match="run the filter_data stage"):
+        load_filtered(tmp_path / "absent.parquet")

@@ -1,0 +1,50 @@
+"""Shared fixtures: a small demo experiment (synthetic data, tiny Qwen2.5-VL, filtered splits)."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlgrpo import config, paths
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def demo_base(tmp_path_factory):
+    """The demo's data and model, built once per session at test size; an experiment with filtered splits."""
+    from vlgrpo.data import filter_split
+    from vlgrpo.demo import make_dataset, make_model
+
+    root = tmp_path_factory.mktemp("demo")
+    synth = root / "_demo" / "geometry_synth"
+    cfg = config.load(
+        ROOT / "config.yaml",
+        overrides={
+            "results_dir": str(root / "results"),
+            "demo": {"out_dir": str(root / "_demo"), "n_train": 64, "n_val": 16, "n_test": 16, "warmup_steps": 30},
+            "model": {"path": str(root / "_demo" / "tiny_qwen2_5_vl")},
+            "data": {"train": str(synth / "train.parquet"), "val": str(synth / "test.parquet")},
+            "trainer": {"max_steps": 10, "save_freq": 5, "val_freq": 5, "stall_timeout_s": 30},
+        },
+    )
+    make_dataset(cfg, synth)
+    make_model(cfg, Path(cfg["model"]["path"]))
+    exp = config.experiment_dir(cfg)
+    for split in ("train", "val"):
+        filter_split(cfg, split, paths.path(paths.FILTERED, exp, split=split), paths.path(paths.STATS, exp, split=split))
+    config.write_resolved(cfg, paths.path(paths.RESOLVED, exp))
+    return cfg
+
+
+def make_experiment(base: dict, results_dir: Path, overrides: dict | None = None) -> dict:
+    """A fresh experiment folder that shares the base's model and filtered data."""
+    cfg = config.validate(config.deep_merge(base, {"results_dir": str(results_dir), **(overrides or {})}))
+    src, dst = config.experiment_dir(base) / "data", config.experiment_dir(cfg) / "data"
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    config.write_resolved(cfg, paths.path(paths.RESOLVED, config.experiment_dir(cfg)))
+    return cfg

@@ -19,7 +19,9 @@ from vlgrpo import data
 from vlgrpo.config import validate
 from vlgrpo.data import (
     DataError,
+    ResizeMismatchError,
     check_model_folder,
+    count_prompt_tokens,
     encode_prompts,
     filter_split,
     format_prompt,
@@ -233,6 +235,7 @@ def test_image_tokens_equal_resized_area_over_28_squared(processor, train_table,
     inputs = processor(images=[image], text=[prompt], return_tensors="pt")
     assert int((inputs["input_ids"] == IMAGE_PAD).sum()) == (h // 28) * (w // 28)
     assert inputs["image_grid_thw"].tolist() == [[1, h // 14, w // 14]]
+    assert count_prompt_tokens(processor, prompt, [image]) == inputs["input_ids"].shape[1]
     # The processor did not resample the resized image: same pixels as with resizing switched off.
     unresized = processor(images=[image], text=[prompt], return_tensors="pt", do_resize=False)
     assert torch.equal(inputs["pixel_values"], unresized["pixel_values"])
@@ -372,6 +375,7 @@ def test_each_bad_row_kind_is_dropped_with_its_reason(tmp_path):
         10: ("answer_empty", {**good, "answer": None}),
         11: ("problem_empty", {**good, "problem": " "}),
         12: ("image_size_unsupported", {**good, "images": [{"bytes": png((1, 300)), "path": None}]}),
+        13: ("processor_error", {**good, "problem": "<image>Is <|image_pad|> a token?"}),
     }
     rows = [good] + [row for _, row in bad.values()] + [{**good, "problem": "<image> What is y?"}]
     source = write_rows(tmp_path / "bad.parquet", rows)
@@ -382,8 +386,8 @@ def test_each_bad_row_kind_is_dropped_with_its_reason(tmp_path):
         expected.setdefault(reason, []).append(index)
     assert stats["dropped_rows"] == expected
     assert {k: v for k, v in stats["dropped"].items() if v} == {k: len(v) for k, v in expected.items()}
-    assert stats["rows_in"] == 14 and stats["rows_kept"] == 2 and stats["steps_per_epoch"] == 0
-    assert pq.read_table(tmp_path / "t.parquet").column("index").to_pylist() == [0, 13]
+    assert stats["rows_in"] == 15 and stats["rows_kept"] == 2 and stats["steps_per_epoch"] == 0
+    assert pq.read_table(tmp_path / "t.parquet").column("index").to_pylist() == [0, 14]
 
 
 @needs_shared
@@ -433,7 +437,10 @@ def test_encode_prompts_left_pads_a_batch(filtered, processor):
 @needs_shared
 def test_encode_prompts_refuses_a_processor_that_would_resize(filtered, saved_model, tmp_path):
     smaller = load_processor(str(saved_model), 12544, 50176)
-    with pytest.raises(ValueError, match="the processor resized images"):
-        encode_prompts(smaller, load_filtered(filtered["parquet"])[:1])
+    rows = load_filtered(filtered["parquet"])[:1]
+    with pytest.raises(ResizeMismatchError, match="the processor resized images"):
+        encode_prompts(smaller, rows)
+    with pytest.raises(ResizeMismatchError, match="the processor would resize images"):
+        count_prompt_tokens(smaller, rows[0]["prompt"], rows[0]["images"])
     with pytest.raises(FileNotFoundError, match="run the filter_data stage"):
         load_filtered(tmp_path / "absent.parquet")

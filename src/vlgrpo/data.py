@@ -84,6 +84,10 @@ class DataError(ValueError):
     """Unusable data, template or model folder; the message names the problem."""
 
 
+class ResizeMismatchError(ValueError):
+    """The processor would resize images already resized: its pixel bounds differ from the data's."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Sources: datasets and the processor
 
@@ -343,10 +347,36 @@ def _check_image_grid(images: list[Image.Image], image_grid_thw) -> None:
     expected = [[1, im.height // patch, im.width // patch] for im in images]
     got = [list(map(int, g)) for g in image_grid_thw]
     if got != expected:
-        raise ValueError(
+        raise ResizeMismatchError(
             f"the processor resized images (grids {got}, expected {expected}): its min/max_pixels "
             "differ from the ones the images were resized with"
         )
+
+
+def count_prompt_tokens(processor: ProcessorMixin, prompt: str, images: list[Image.Image]) -> int:
+    """Tokens of `prompt` once the processor expands its image placeholders, without pixel work.
+
+    The processor replaces each <|image_pad|> with one token per 2x2 patch group of its image; the
+    tokenizer and the image processor's own patch count give the same total (the filter checks this
+    against a full processor call on a sample of rows). Raises ResizeMismatchError if the processor
+    would resize an image, ValueError if placeholders and images disagree.
+    """
+    image_processor = processor.image_processor
+    ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    placeholders = ids.count(processor.image_token_id)
+    if placeholders != len(images):
+        raise ValueError(f"{placeholders} image placeholders in the prompt for {len(images)} images")
+    per_image = [
+        image_processor.get_number_of_image_patches(im.height, im.width, {}) // image_processor.merge_size**2
+        for im in images
+    ]
+    expected = [(im.height // IMAGE_FACTOR) * (im.width // IMAGE_FACTOR) for im in images]
+    if per_image != expected:
+        raise ResizeMismatchError(
+            f"the processor would resize images (tokens {per_image}, expected {expected}): its "
+            "min/max_pixels differ from the ones the images were resized with"
+        )
+    return len(ids) - placeholders + sum(per_image)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,8 +407,12 @@ def _as_image_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSettings) -> dict[str, Any]:
-    """The kept output row for one source row, or raise _Dropped with the reason."""
+def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSettings, verify: bool) -> dict[str, Any]:
+    """The kept output row for one source row, or raise _Dropped with the reason.
+
+    With `verify`, the prompt also goes through the full processor call that training makes, and
+    its token count and image grids must equal `count_prompt_tokens`' (else RuntimeError).
+    """
     problem, answer = row[s.prompt_key], row[s.answer_key]
     if not isinstance(problem, str) or not problem.strip():
         raise _Dropped("problem_empty")
@@ -408,11 +442,16 @@ def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSetti
             raise _Dropped("image_size_unsupported", str(e)) from e
     prompt = render_prompt(processor, problem, s.template)
     try:
-        inputs = processor(images=images, text=[prompt], add_special_tokens=False)
+        prompt_length = count_prompt_tokens(processor, prompt, images)
+        full = processor(images=images, text=[prompt], add_special_tokens=False) if verify else None
+    except ResizeMismatchError:
+        raise  # a setup error, not a bad row
     except Exception as e:  # a row the processor rejects must not stop the whole split
         raise _Dropped("processor_error", f"{type(e).__name__}: {e}") from e
-    _check_image_grid(images, inputs["image_grid_thw"])
-    prompt_length = len(inputs["input_ids"][0])
+    if full is not None:
+        _check_image_grid(images, full["image_grid_thw"])
+        if len(full["input_ids"][0]) != prompt_length:
+            raise RuntimeError(f"counted {prompt_length} prompt tokens, the processor made {len(full['input_ids'][0])}")
     if s.drop_overlong and prompt_length > s.max_prompt_length:
         raise _Dropped("prompt_too_long", f"{prompt_length} > {s.max_prompt_length} tokens")
     return {
@@ -443,7 +482,8 @@ def _filter_range(bounds: tuple[int, int]) -> list[tuple[int, dict | None, str |
     out = []
     for index, row in enumerate(rows, start):
         try:
-            out.append((index, _prepare_row(row, processor, settings), None, ""))
+            # The first row of each range is checked against the full processor call.
+            out.append((index, _prepare_row(row, processor, settings, verify=index == start), None, ""))
         except _Dropped as d:
             out.append((index, None, d.reason, str(d)))
     return out
@@ -501,7 +541,8 @@ def filter_split(
     """Filter cfg["data"][split] ('train' or 'val') into a parquet of ready prompts and a stats JSON.
 
     Each row is rendered exactly as training will render it, its images resized once, and its
-    prompt counted in tokens (image tokens included) through the processor. Rows are dropped with a
+    prompt counted in tokens (image tokens included) through the processor (`count_prompt_tokens`,
+    checked against the full processor call on the first row of every 32). Rows are dropped with a
     reason (DROP_REASONS) instead of failing; zero kept rows raise DataError. Output columns: index
     (row in the source), images (resized, PNG, list<struct<bytes, path>>), problem, answer, prompt,
     prompt_length. Both files are written atomically. `workers` processes (default: the CPUs
@@ -596,7 +637,8 @@ def encode_prompts(processor: ProcessorMixin, rows: list[dict[str, Any]]) -> Bat
 
     Returns input_ids and attention_mask (B, L), pixel_values (sum of h*w/196 patches, 1176),
     image_grid_thw (n_images, 3), and mm_token_type_ids (B, L) where the processor makes them.
-    Raises ValueError if the processor would resize an image (pixel bounds differ from filtering).
+    Raises ResizeMismatchError if the processor would resize an image (its pixel bounds differ from
+    the ones the filter used).
     """
     if not rows:
         raise ValueError("encode_prompts needs at least one row")

@@ -327,6 +327,7 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
     if start < end_step:
         with timer(times, "load"):
             trainer.load(start)
+        trainer.heartbeat.beat()
         with timer(times, "train"):
             for step in tqdm(range(start + 1, end_step + 1), desc=f"segment to {end_step}", initial=start, total=end_step):
                 record = trainer.step(step)
@@ -362,7 +363,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config_lib.read_resolved(args.config)
-    run_segment(cfg, args.end_step, Path(args.marker), Heartbeat(Path(args.heartbeat) if args.heartbeat else None))
+    heartbeat = Heartbeat(Path(args.heartbeat) if args.heartbeat else None)
+    heartbeat.beat()  # imports are done
+    run_segment(cfg, args.end_step, Path(args.marker), heartbeat)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,165 @@
+"""Segments, checkpoints and faults on the tiny demo model: exact resume, atomic checkpoints, watchdog,
+non-finite updates."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import make_experiment
+from vlgrpo import config, paths
+from vlgrpo.checkpoint import CheckpointStore
+from vlgrpo.tracking import read_metrics
+from vlgrpo.trainer import GRPOTrainer, NonFiniteError, run_segment
+
+
+def train(cfg, end_step, fault=None):
+    """Run one segment in its own process, as the workflow does; return its exit status."""
+    exp = config.experiment_dir(cfg)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLGRPO_FAULT")}
+    if fault:
+        env["VLGRPO_FAULT"] = fault
+    cmd = [sys.executable, "-m", "vlgrpo.trainer", "--config", str(paths.path(paths.RESOLVED, exp)),
+           "--end-step", str(end_step), "--marker", str(paths.path(paths.MARKER, exp, step=end_step))]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+
+def deterministic(record):
+    """A step's metrics without wall-clock figures."""
+    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+def weights(cfg, step):
+    folder = CheckpointStore(paths.path(paths.CHECKPOINTS, config.experiment_dir(cfg))).model_dir(step)
+    return load_file(folder / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_resume_is_exact(demo_base, tmp_path):
+    """10 steps straight == 5 + 5 in two processes == killed inside step 7 (and again while saving
+    step 10) and rerun: identical per-step metrics and bitwise identical final weights."""
+    straight = make_experiment(demo_base, tmp_path / "straight", {"trainer": {"save_freq": 10}})
+    assert train(straight, 10).returncode == 0
+
+    halves = make_experiment(demo_base, tmp_path / "halves")
+    assert train(halves, 5).returncode == 0
+    assert train(halves, 10).returncode == 0
+
+    faulty = make_experiment(demo_base, tmp_path / "faulty")
+    assert train(faulty, 5).returncode == 0
+    killed = train(faulty, 10, fault="kill@7")
+    assert killed.returncode == -signal.SIGKILL
+    store = CheckpointStore(paths.path(paths.CHECKPOINTS, config.experiment_dir(faulty)))
+    assert store.latest() == 5
+    killed = train(faulty, 10, fault="kill_in_save@10")
+    assert killed.returncode == -signal.SIGKILL
+    # The half-written checkpoint is invisible: tracker and step 5 are intact.
+    assert json.loads((store.root / "latest.json").read_text())["step"] == 5
+    assert store.verify(5) is None and store.latest() == 5
+    assert not store.path(10).exists()
+    assert train(faulty, 10).returncode == 0
+    assert store.latest() == 10
+
+    runs = [straight, halves, faulty]
+    metrics = [[deterministic(r) for r in read_metrics(paths.path(paths.METRICS, config.experiment_dir(c)))] for c in runs]
+    assert [r["step"] for r in metrics[0]] == list(range(1, 11))
+    assert metrics[1] == metrics[0]
+    assert metrics[2] == metrics[0]
+    final = [weights(c, 10) for c in runs]
+    for name, tensor in final[0].items():
+        assert torch.equal(final[1][name], tensor), name
+        assert torch.equal(final[2][name], tensor), name
+    # Something was learned: the weights moved from the base model.
+    base = load_file(Path(straight["model"]["path"]) / "model.safetensors")
+    assert any(not torch.equal(base[n], t) for n, t in final[0].items())
+
+    # A forced rerun of a finished segment does not retrain.
+    before = paths.path(paths.METRICS, config.experiment_dir(halves)).read_text()
+    assert train(halves, 5).returncode == 0
+    assert paths.path(paths.METRICS, config.experiment_dir(halves)).read_text() == before
+    marker = json.loads(paths.path(paths.MARKER, config.experiment_dir(halves), step=10).read_text())
+    assert marker["end_step"] == 10 and marker["start_step"] == 5
+    assert set(marker["timing_s"]) == {"load", "train", "save"}
+
+    # A corrupted checkpoint is refused and the previous one is used.
+    weights_file = store.model_dir(10) / "model.safetensors"
+    data = bytearray(weights_file.read_bytes())
+    data[-100] ^= 0xFF
+    weights_file.write_bytes(bytes(data))
+    assert "does not match its checksum" in store.verify(10)
+    assert store.latest() == 5
+
+
+def test_checkpoint_write_is_atomic_and_retention_keeps_what_validation_needs(demo_base, tmp_path):
+    cfg = make_experiment(demo_base, tmp_path, {"trainer": {"save_freq": 2, "val_freq": 4, "keep_checkpoints": 1, "max_steps": 6}})
+    t = GRPOTrainer(cfg)
+    t.load(0)
+    store = t.store
+    assert store.latest() is None
+    for step in (2, 4, 6):
+        t.save(step, "run")
+    assert store.latest() == 6 and store.state(6)["wandb_run_id"] == "run"
+    from vlgrpo.checkpoint import apply_retention
+
+    apply_retention(cfg, 6)
+    # keep 1 whole checkpoint (6); step 4 awaits validation: its weights stay; step 2 is never validated.
+    assert store.steps() == [4, 6]
+    assert (store.model_dir(4) / "model.safetensors").exists() and not (store.path(4) / "optimizer.pt").exists()
+    assert store.verify(6) is None
+    val = paths.path(paths.VAL, config.experiment_dir(cfg), step=4)
+    val.parent.mkdir(parents=True)
+    val.write_text("{}")
+    apply_retention(cfg, 6)
+    assert store.steps() == [6]
+    # The saved model loads back through from_pretrained (validation and export use it).
+    from vlgrpo.policy import load_model
+
+    model = load_model(store.model_dir(6), cfg["model"], torch.device("cpu"), trainable=False)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in t.policy.parameters())
+
+
+def test_nonfinite_update_is_skipped_then_aborts(demo_base, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLGRPO_FAULT", "nonfinite@1")
+    cfg = make_experiment(demo_base, tmp_path / "a", {"trainer": {"max_nonfinite_steps": 2}})
+    t = GRPOTrainer(cfg)
+    t.load(0)
+    before = {n: p.detach().clone() for n, p in t.policy.named_parameters()}
+    record = t.step(1)
+    assert record["actor/nonfinite_skipped"] == 1
+    assert all(torch.equal(p, before[n]) for n, p in t.policy.named_parameters())
+    assert t.step(2)["actor/nonfinite_skipped"] == 0
+
+    monkeypatch.setenv("VLGRPO_FAULT", "nonfinite@1")
+    cfg = make_experiment(demo_base, tmp_path / "b", {"trainer": {"max_nonfinite_steps": 1}})
+    with pytest.raises(NonFiniteError, match="1 non-finite updates in a row"):
+        run_segment(cfg, 5, paths.path(paths.MARKER, config.experiment_dir(cfg), step=5))
+    assert not paths.path(paths.MARKER, config.experiment_dir(cfg), step=5).exists()
+
+
+def test_watchdog_kills_a_stalled_segment(demo_base, tmp_path):
+    cfg = make_experiment(demo_base, tmp_path, {"trainer": {"stall_timeout_s": 15}})
+    resolved = paths.path(paths.RESOLVED, config.experiment_dir(cfg))
+    wrapper = subprocess.Popen(
+        ["vlgrpo", "train", "--config", str(resolved), "--end-step", "5"], stderr=subprocess.PIPE, text=True
+    )
+    heartbeat = paths.path(paths.HEARTBEAT, config.experiment_dir(cfg))
+    deadline = time.time() + 120
+    while time.time() < deadline and not paths.path(paths.METRICS, config.experiment_dir(cfg)).exists():
+        time.sleep(0.5)  # wait for the first finished step: the trainer is really running
+    (child,) = psutil.Process(wrapper.pid).children()
+    child.send_signal(signal.SIGSTOP)  # a hung process: alive, no progress
+    stopped = time.time()
+    _, err = wrapper.communicate(timeout=60)
+    assert wrapper.returncode != 0
+    assert "no progress" in err and "stall_timeout_s=15" in err
+    assert time.time() - stopped < 15 + 10
+    assert not psutil.pid_exists(child.pid) or child.status() == psutil.STATUS_ZOMBIE
+    assert heartbeat.exists()

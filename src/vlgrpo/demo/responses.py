@@ -1,0 +1,58 @@
+"""Synthetic responses for the demo's supervised warm-up: the language and the format, never the answer.
+
+The triangle count in a response is drawn at random, independently of the image, so a model
+trained on these texts answers at chance. A fraction of the responses reasons in the format the
+template asks for; the rest skip the reasoning and give the bare answer, which the format reward
+rejects but the accuracy reward still grades. Keeping that fraction below 1/2 puts the malformed
+answer on the greedy path: after the warm-up, greedy validation scores format 0 and chance
+accuracy, while samples at T=1 are well formatted about that fraction of the time, which gives GRPO
+a format signal to start from. What it learns after that (the format reliably, the answer from the
+image) it learns from rewards alone, as Qwen2.5-VL-3B does on Geometry3K.
+
+One writer per built-in format template (r1v: <think>...</think><answer>...</answer>; math:
+<think>...</think> ... \\boxed{...}), whose grader of the same name accepts the well-formatted texts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vlgrpo.demo.task import MAX_TRIANGLES, answer_for
+
+# No phrasing starts with the count: the model would confuse "<think> 3 triangles" with the bare
+# answer "<answer> 360" and mix the two forms. The count always follows a word, the answer a tag.
+REASONING = (
+    "There are {k} triangles, so {k} x 180 = {a}.",
+    "I see {k} triangles, and {k} x 180 = {a}.",
+    "The figure has {k} triangles, so the sum is {k} x 180 = {a}.",
+)
+
+
+def _r1v(reasoning: str, answer: str, well_formatted: bool) -> str:
+    if not well_formatted:
+        return f"<answer> {answer} </answer>"
+    return f"<think> {reasoning} </think><answer> {answer} </answer>"  # as the template's example
+
+
+def _math(reasoning: str, answer: str, well_formatted: bool) -> str:
+    boxed = f"The answer is \\boxed{{{answer}}}."
+    return f"<think> {reasoning} </think> {boxed}" if well_formatted else boxed
+
+
+WRITERS = {"r1v": _r1v, "math": _math}
+
+
+def warmup_response(rng: np.random.Generator, template: str, well_formatted_fraction: float) -> str:
+    """One response with a random triangle count, well formatted with probability well_formatted_fraction.
+
+    template: the format template's name (data.format_prompt), "r1v" or "math".
+    """
+    writer = WRITERS.get(template)
+    if writer is None:
+        raise ValueError(
+            f"the demo warm-up writes responses for the format templates {', '.join(WRITERS)}, "
+            f"not for data.format_prompt={template!r}"
+        )
+    k = int(rng.integers(1, MAX_TRIANGLES + 1))
+    reasoning = REASONING[int(rng.integers(len(REASONING)))].format(k=k, a=answer_for(k))
+    return writer(reasoning, answer_for(k), bool(rng.random() < well_formatted_fraction))

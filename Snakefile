@@ -12,7 +12,7 @@ from snakemake.utils import min_version
 min_version("8.20")
 
 
-configfile: "config.yaml"
+configfile: f"{workflow.basedir}/config.yaml"  # the embedded default, whatever the working directory
 
 
 include: "workflow/rules/common.smk"  # validates the config against the schema, writes the resolved one

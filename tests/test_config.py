@@ -68,6 +68,16 @@ def test_missing_file_is_a_clear_error(tmp_path):
         config.load(tmp_path / "nope.yaml")
 
 
+def test_snakemake_command_line_strings_are_read_as_yaml():
+    """snakemake --config trainer='{max_steps: 400}' delivers nested values as strings."""
+    cfg = config.load(ROOT / "config.yaml", overrides={"trainer": {"max_steps": "400", "val_before_train": "false"}})
+    assert cfg["trainer"]["max_steps"] == 400 and cfg["trainer"]["val_before_train"] is False
+    assert cfg["trainer"]["save_freq"] == config.load(ROOT / "config.yaml")["trainer"]["save_freq"]
+    assert config.load(ROOT / "config.yaml", overrides={"experiment": "123"})["experiment"] == "123"
+    with pytest.raises(config.ConfigError, match="'trainer.max_steps'"):
+        config.load(ROOT / "config.yaml", overrides={"trainer": {"max_steps": "many"}})
+
+
 def test_command_line_assignments():
     assert parse_assignment("worker.rollout.n=8") == {"worker": {"rollout": {"n": 8}}}
     assert parse_assignment("trainer.max_steps=null") == {"trainer": {"max_steps": None}}
@@ -80,3 +90,14 @@ def test_resolved_config_round_trip(tmp_path):
     config.write_resolved(cfg, tmp_path / "c.yaml")
     assert config.read_resolved(tmp_path / "c.yaml") == cfg
     assert config.config_hash(cfg) == config.config_hash(config.read_resolved(tmp_path / "c.yaml"))
+
+
+def test_hash_ignores_options_at_their_default():
+    """A newer schema that adds an option (at its default) must not invalidate checkpoints or rerun jobs."""
+    cfg = config.load(ROOT / "config.yaml")
+    raw = yaml.safe_load((ROOT / "config.yaml").read_text())
+    assert config.config_hash(cfg) == config.config_hash(raw)  # defaults filled or not: same hash
+    changed = config.deep_merge(cfg, {"worker": {"actor": {"clip_ratio_high": 0.28}}})
+    assert config.config_hash(changed) != config.config_hash(cfg)
+    part = {"data": {"min_pixels": cfg["data"]["min_pixels"]}}
+    assert config.config_hash(part) != config.config_hash({"data": {"min_pixels": 1}})

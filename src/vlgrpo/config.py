@@ -57,9 +57,46 @@ def _describe(error: jsonschema.ValidationError) -> str:
     return f"'{key}': {error.message}" + (f" ({what})" if what else "")
 
 
+def expand_dotted(cfg: dict) -> dict:
+    """Turn top-level keys like "trainer.max_steps" (vlgrpo resolve --set trainer.max_steps=400) into
+    nested ones, overriding what the nested dicts hold."""
+    out = {k: v for k, v in cfg.items() if "." not in k}
+    for key, value in cfg.items():
+        if "." in key:
+            nested: dict = {}
+            node = nested
+            parts = key.split(".")
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            node[parts[-1]] = value
+            out = deep_merge(out, nested)
+    return out
+
+
+def _types(schema: dict) -> set:
+    declared = schema.get("type", [])
+    types = set(declared if isinstance(declared, list) else [declared])
+    types |= {type(v).__name__ for v in schema.get("enum", [])}
+    return types
+
+
+def _coerce_strings(node, schema: dict):
+    """Read string leaves as YAML where the schema wants no string: snakemake --config
+    trainer='{max_steps: 400}' delivers nested values as strings."""
+    if isinstance(node, dict):
+        props = schema.get("properties", {})
+        return {k: _coerce_strings(v, props[k]) if k in props else v for k, v in node.items()}
+    if isinstance(node, str) and not (_types(schema) & {"string", "str"}):
+        try:
+            return yaml.safe_load(node)
+        except yaml.YAMLError:
+            return node
+    return node
+
+
 def validate(cfg: dict) -> dict:
     """Return a deep copy of `cfg` with defaults filled in; raise ConfigError naming every bad key."""
-    cfg = copy.deepcopy(cfg)
+    cfg = _coerce_strings(copy.deepcopy(cfg), load_schema())
     errors = sorted(_Validator(load_schema()).iter_errors(cfg), key=lambda e: list(e.absolute_path))
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(_describe(e) for e in errors))
@@ -103,9 +140,22 @@ def load(*paths: str | os.PathLike, overrides: dict | None = None) -> dict:
     return validate(deep_merge(cfg, overrides or {}))
 
 
-def config_hash(cfg: dict) -> str:
-    """Hash of the resolved config (sorted JSON), stored in checkpoints and markers."""
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+def _without_defaults(node, schema: dict):
+    """`node` without the leaves that equal their schema default (None if nothing is left)."""
+    if isinstance(node, dict):
+        props = schema.get("properties", {})
+        kept = {k: _without_defaults(v, props.get(k, {})) for k, v in node.items()}
+        kept = {k: v for k, v in kept.items() if v is not None}
+        return kept or None
+    return None if "default" in schema and schema["default"] == node else node
+
+
+def config_hash(cfg: dict, schema: dict | None = None) -> str:
+    """Hash of a (part of a) resolved config, made of the values that differ from the schema's
+    defaults: a newer vlgrpo whose schema gains an option (at its default) hashes the same, so a
+    run resumes and nothing reruns. `schema` is the part of the schema `cfg` is checked against."""
+    explicit = _without_defaults(cfg, load_schema() if schema is None else schema)
+    return hashlib.sha256(json.dumps(explicit, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def experiment_dir(cfg: dict) -> Path:

@@ -35,7 +35,7 @@ def _pick(dotted):
 
 def config_key(*dotted):
     """A hash of the config parts a rule depends on; a rule reruns when it changes."""
-    return config_lib.config_hash({k: _pick(k) for k in dotted})
+    return config_lib.config_hash(config_lib.expand_dotted({k: _pick(k) for k in dotted}))
 
 
 TRAIN_KEYS = ("seed", "model", "data", "algorithm", "worker")

@@ -19,8 +19,6 @@ rule demo_data:
 if CFG["model"]["path"].startswith(DEMO):
 
     rule demo_model:
-        input:
-            f"{DEMO_DATA}/train.parquet",
         output:
             directory(CFG["model"]["path"]),
         params:

@@ -49,7 +49,7 @@ def test_seed_recipe_values():
     "override, message",
     [
         ({"data": {"max_pixel": 5}}, "allowed keys: answer_key"),
-        ({"worker": {"rollout": {"engine": "sglang"}}}, "'worker.rollout.engine' is 'sglang'; allowed values: 'hf', 'vllm'"),
+        ({"worker": {"rollout": {"engine": "sglang"}}}, "'worker.rollout.engine' is 'sglang'; allowed values: 'hf'"),
         ({"worker": {"rollout": {"n": 1}}}, "'worker.rollout.n'"),
         ({"seed": "one"}, "'seed'"),
         ({"data": {"min_pixels": 600000}}, "'data.min_pixels' (600000) > 'data.max_pixels'"),

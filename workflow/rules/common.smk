@@ -1,4 +1,5 @@
 import os
+import sys
 import shutil
 import subprocess
 from pathlib import Path
@@ -88,3 +89,33 @@ def val_file(step):
 
 def marker_file(step):
     return paths.path(paths.MARKER, EXP, step=step)
+
+
+# A Snakemake killed hard (SIGKILL, a lost node) leaves its lock behind, and the next run would
+# refuse to start. The lock is released here when the process that took it is gone.
+LOCK_OWNER = Path(".snakemake/vlgrpo_lock_owner")
+
+
+def release_stale_lock():
+    import psutil
+
+    locks = Path(".snakemake/locks")
+    if not (locks.is_dir() and any(locks.iterdir()) and LOCK_OWNER.is_file()):
+        return
+    pid = int(LOCK_OWNER.read_text())
+    try:
+        alive = "snakemake" in " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        alive = False
+    if not alive:
+        shutil.rmtree(locks)
+        LOCK_OWNER.unlink()
+        print(f"vlgrpo: released the lock left by Snakemake process {pid}, which is gone", file=sys.stderr)
+
+
+release_stale_lock()
+
+
+onstart:
+    LOCK_OWNER.parent.mkdir(exist_ok=True)
+    LOCK_OWNER.write_text(str(os.getpid()))

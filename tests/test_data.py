@@ -139,7 +139,8 @@ def subset(table: pa.Table, rows: list[int], path: Path) -> Path:
 def test_builtin_templates_render_easyr1_text():
     assert format_prompt("  <image>Find x.\n", "r1v") == "<image>Find x." + R1V
     assert format_prompt("<image>Find x.", "math") == (
-        "<image>Find x. FIRST reason step by step and then provide the final answer. "
+        "<image>Find x. You FIRST think about the reasoning process as an internal monologue and then "
+        "provide the final answer. The reasoning process MUST BE enclosed within <think> </think> tags. "
         "The final answer MUST BE put in \\boxed{}."
     )
 

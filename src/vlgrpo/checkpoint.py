@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from vlgrpo import paths, plan
 from vlgrpo.config import experiment_dir
+from vlgrpo.errors import VlgrpoError
 
 log = logging.getLogger(__name__)
 TRACKER = "latest.json"
@@ -70,7 +71,7 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(VlgrpoError, RuntimeError):
     pass
 
 

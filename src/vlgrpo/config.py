@@ -17,10 +17,12 @@ from typing import Any
 import jsonschema
 import yaml
 
+from vlgrpo.errors import VlgrpoError
+
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
 
 
-class ConfigError(ValueError):
+class ConfigError(VlgrpoError, ValueError):
     """A config that does not match the schema; the message names the key and what is allowed."""
 
 

@@ -42,6 +42,8 @@ from PIL import Image
 from transformers import AutoProcessor, BatchFeature, ProcessorMixin
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
+from vlgrpo.errors import VlgrpoError
+
 log = logging.getLogger(__name__)
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -80,11 +82,11 @@ _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 _HUB_SPLIT = re.compile(r"[\w.-]+(\[[^\]]*\])?")  # "train", "test[:100]"
 
 
-class DataError(ValueError):
+class DataError(VlgrpoError, ValueError):
     """Unusable data, template or model folder; the message names the problem."""
 
 
-class ResizeMismatchError(ValueError):
+class ResizeMismatchError(VlgrpoError, ValueError):
     """The processor would resize images already resized: its pixel bounds differ from the data's."""
 
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import pandas as pd
 
+from vlgrpo.errors import VlgrpoError
+
 Record = dict[str, Any]
 
 SAMPLES_KEY = "samples"
@@ -28,7 +30,7 @@ VAL_DIR = "val"
 VAL_FILE = re.compile(r"step_\d+\.json")
 
 
-class RecordError(ValueError):
+class RecordError(VlgrpoError, ValueError):
     """A metric file that does not hold valid records; the message names the file and line."""
 
 

@@ -19,19 +19,18 @@ import numpy as np
 
 from vlgrpo.demo.task import MAX_TRIANGLES, answer_for
 
-# No phrasing starts with the count: the model would confuse "<think> 3 triangles" with the bare
-# answer "<answer> 360" and mix the two forms. The count always follows a word, the answer a tag.
+# Phrasings start with a word other than the bare answer's "The", and the count never follows a tag,
+# so no prefix of a well-formatted response looks like one of a bare answer (the model would mix them).
 REASONING = (
     "There are {k} triangles, so {k} x 180 = {a}.",
     "I see {k} triangles, and {k} x 180 = {a}.",
-    "The figure has {k} triangles, so the sum is {k} x 180 = {a}.",
+    "I count {k} triangles, so the sum is {k} x 180 = {a}.",
 )
 
 
 def _r1v(reasoning: str, answer: str, well_formatted: bool) -> str:
-    if not well_formatted:
-        return f"<answer> {answer} </answer>"
-    return f"<think> {reasoning} </think><answer> {answer} </answer>"  # as the template's example
+    tagged = f"<answer> {answer} </answer>"
+    return f"<think> {reasoning} </think>{tagged}" if well_formatted else f"The answer is {tagged}"
 
 
 def _math(reasoning: str, answer: str, well_formatted: bool) -> str:

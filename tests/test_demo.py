@@ -1,0 +1,300 @@
+"""The embedded default's inputs: the synthetic geometry task and the tiny Qwen2.5-VL with its warm-up."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+from vlgrpo import config
+from vlgrpo.batch import PromptBatch
+from vlgrpo.data import decode_image, encode_prompts, render_prompt, resize_image
+from vlgrpo.demo import make_dataset, make_model
+from vlgrpo.demo.model import full_attention_blocks, mrope_section, tiny_config
+from vlgrpo.demo.processor import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer, train_bpe
+from vlgrpo.demo.responses import warmup_response
+from vlgrpo.demo.task import QUESTIONS, SPLITS, best_constant_accuracy, make_rows
+from vlgrpo.rewards import r1v
+from vlgrpo.rewards import math as math_reward
+from vlgrpo.rollout import SamplingParams
+from vlgrpo.rollout.hf import HFEngine
+from vlgrpo.rollout.sampling import sample_key
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+QWEN = SHARED / "qwen2_5_vl_3b"
+ANSWERS = {"180", "360", "540", "720"}
+TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+
+
+def demo_config(tmp: Path, **demo) -> dict:
+    return config.load(
+        ROOT / "config.yaml",
+        overrides={
+            "demo": {"out_dir": str(tmp), **demo},
+            "model": {"path": str(tmp / "model")},
+            "data": {"train": str(tmp / "data" / "train.parquet"), "val": str(tmp / "data" / "test.parquet")},
+        },
+    )
+
+
+SMALL_DATA = {"n_train": 64, "n_val": 8, "n_test": 32}
+SMALL_MODEL = {"warmup_steps": 3, "warmup_images": 4, "warmup_batch_size": 2}
+
+
+def quadrants_drawn(png: bytes) -> int:
+    """Quadrants of a figure that hold any non-white pixel: what a perfect reader would count."""
+    pixels = np.asarray(Image.open(io.BytesIO(png)).convert("L"))
+    half = pixels.shape[0] // 2
+    return sum(
+        bool((pixels[r : r + half, c : c + half] < 250).any()) for r in (0, half) for c in (0, half)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The task
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("demo_data")
+    cfg = demo_config(tmp, **SMALL_DATA)
+    stats = make_dataset(cfg, tmp / "data")
+    return cfg, tmp / "data", stats
+
+
+def test_dataset_has_geometry3k_columns_and_image_dependent_answers(dataset):
+    cfg, folder, stats = dataset
+    assert sorted(p.name for p in folder.iterdir()) == ["test.parquet", "train.parquet", "validation.parquet"]
+    reference = pq.read_schema(SHARED / "geometry3k" / "test.parquet") if SHARED.is_dir() else None
+    sizes = {"train": 64, "validation": 8, "test": 32}
+    for split in SPLITS:
+        table = pq.read_table(folder / f"{split}.parquet")
+        if reference is not None:
+            assert table.schema.equals(reference, check_metadata=True)
+        rows = table.to_pylist()
+        assert len(rows) == sizes[split] == stats["splits"][split]["rows"]
+        for row in rows:
+            assert row["problem"].startswith("<image>") and row["problem"] in QUESTIONS
+            assert row["answer"] in ANSWERS
+            (image,) = row["images"]
+            assert Image.open(io.BytesIO(image["bytes"])).size == (112, 112)
+            # The answer is the triangle count read off the image, times 180.
+            assert quadrants_drawn(image["bytes"]) * 180 == int(row["answer"])
+    # Counts are balanced, so a text-only policy's best constant answer is right 1/4 of the time.
+    assert stats["splits"]["test"]["answers"] == {a: 8 for a in sorted(ANSWERS)}
+    assert stats["best_constant_answer"]["accuracy"] == 0.25
+
+
+def test_dataset_loads_with_hf_datasets_as_images(dataset):
+    _, folder, _ = dataset
+    ds = datasets.load_dataset("parquet", data_files=str(folder / "validation.parquet"), split="train")
+    assert isinstance(ds[0]["images"][0], Image.Image)
+
+
+def test_dataset_is_deterministic_and_seeded(dataset, tmp_path):
+    cfg, folder, _ = dataset
+    make_dataset(cfg, tmp_path / "again")
+    for split in SPLITS:
+        assert (tmp_path / "again" / f"{split}.parquet").read_bytes() == (folder / f"{split}.parquet").read_bytes()
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == sorted(p.name for p in folder.iterdir())
+    other = make_rows(cfg["seed"] + 1, "test", 4, 112)
+    assert [r["images"][0]["bytes"] for r in other] != [
+        r["images"][0]["bytes"] for r in make_rows(cfg["seed"], "test", 4, 112)
+    ]
+
+
+def test_no_figure_appears_in_two_splits(dataset):
+    _, folder, _ = dataset
+    seen = Counter()
+    for split in SPLITS:
+        images = pq.read_table(folder / f"{split}.parquet").column("images").to_pylist()
+        seen.update({image[0]["bytes"] for image in images})
+    assert max(seen.values()) == 1
+
+
+def test_best_constant_accuracy():
+    assert best_constant_accuracy(["180", "360", "360", "720"]) == ("360", 0.5)
+    with pytest.raises(ValueError, match="no answers"):
+        best_constant_accuracy([])
+
+
+def test_bad_task_and_size_are_named(tmp_path):
+    cfg = demo_config(tmp_path)
+    cfg["demo"]["task"] = "count_squares"
+    with pytest.raises(ValueError, match="count_squares"):
+        make_dataset(cfg, tmp_path / "data")
+    with pytest.raises(ValueError, match="at least one row"):
+        make_rows(1, "train", 0, 112)
+
+
+# ---------------------------------------------------------------------------------------------
+# Warm-up responses
+
+
+@pytest.mark.parametrize("template, grader", [("r1v", r1v), ("math", math_reward)])
+def test_warmup_responses_teach_the_format_but_not_the_answer(template, grader):
+    rng = np.random.default_rng(0)
+    responses = [warmup_response(rng, template, 0.4) for _ in range(400)]
+    formats = [grader(r, "360")["format"] for r in responses]
+    assert 0.33 < np.mean(formats) < 0.47  # 3 standard deviations
+    # Every response carries a gradeable answer, uniform over the four, whatever the image.
+    accuracies = {truth: np.mean([grader(r, truth)["accuracy"] for r in responses]) for truth in sorted(ANSWERS)}
+    assert sum(accuracies.values()) == pytest.approx(1.0)
+    assert all(0.18 < a < 0.32 for a in accuracies.values())
+
+
+def test_warmup_response_rejects_unknown_template():
+    with pytest.raises(ValueError, match="my.jinja"):
+        warmup_response(np.random.default_rng(0), "my.jinja", 0.4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer and config pieces
+
+
+def test_chat_template_is_qwen2_5_vl_verbatim():
+    if not QWEN.is_dir():
+        pytest.skip("shared Qwen2.5-VL-3B files absent")
+    assert CHAT_TEMPLATE == json.loads((QWEN / "chat_template.json").read_text())["chat_template"]
+
+
+def test_tokenizer_special_tokens_follow_the_vocab_in_qwen_order():
+    vocab, merges = train_bpe(["<think> There are 3 triangles </think><answer> 540 </answer><|im_end|>"] * 20, 300)
+    assert not any(t in vocab for t in SPECIAL_TOKENS)  # cut out of the corpus, never merged
+    tokenizer = build_tokenizer(vocab, merges)
+    assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == list(range(len(vocab), len(vocab) + len(SPECIAL_TOKENS)))
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    with pytest.raises(ValueError, match="vocab_size=200"):
+        train_bpe(["abc"], 200)
+
+
+def test_mrope_and_full_attention_layout_match_qwen2_5_vl():
+    assert mrope_section(128) == [16, 24, 24]  # Qwen2.5-VL-3B: head_dim 2048 / 16
+    assert sum(mrope_section(32)) == 16
+    assert full_attention_blocks(32) == [7, 15, 23, 31]
+    assert full_attention_blocks(2) == [1]
+
+
+def test_tiny_config_rejects_indivisible_heads(tmp_path):
+    demo = demo_config(tmp_path)["demo"] | {"text_heads": 3}
+    with pytest.raises(ValueError, match="text_heads"):
+        tiny_config(demo, build_tokenizer({}, []))
+
+
+# ---------------------------------------------------------------------------------------------
+# The model folder
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("demo_model")
+    cfg = demo_config(tmp, **SMALL_MODEL)
+    stats = make_model(cfg, tmp / "model")
+    return cfg, tmp / "model", stats
+
+
+def test_model_folder_loads_like_qwen2_5_vl_and_generates_with_an_image(model_dir):
+    cfg, folder, stats = model_dir
+    data = cfg["data"]
+    processor = AutoProcessor.from_pretrained(folder, min_pixels=data["min_pixels"], max_pixels=data["max_pixels"])
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    assert type(model) is Qwen2_5_VLForConditionalGeneration
+    assert type(processor).__name__ == "Qwen2_5_VLProcessor"
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessor"
+    assert 300_000 < stats["parameters"] == sum(p.numel() for p in model.parameters()) < 5_000_000
+
+    rows = []
+    for row in make_rows(cfg["seed"], "test", 2, cfg["demo"]["image_size"]):
+        image = resize_image(decode_image(row["images"][0]), data["min_pixels"], data["max_pixels"])
+        rows.append({"prompt": render_prompt(processor, row["problem"], data["format_prompt"]), "images": [image]})
+    inputs = encode_prompts(processor, rows)
+    image_tokens = (inputs["input_ids"] == model.config.image_token_id).sum(-1)
+    assert image_tokens.tolist() == [stats["image_tokens_per_image"]] * 2 == [16, 16]
+
+    out = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    assert out.shape[0] == 2 and 1 <= out.shape[1] - inputs["input_ids"].shape[1] <= 6
+    # The image reaches the logits: swapping the two rows' images changes them.
+    logits = model(**inputs).logits[:, -1]
+    swapped = dict(inputs, pixel_values=torch.cat(inputs["pixel_values"].chunk(2)[::-1]))
+    assert not torch.allclose(logits, model(**swapped).logits[:, -1])
+
+
+def test_token_ids_in_config_match_the_tokenizer_and_tags_are_not_special(model_dir):
+    _, folder, stats = model_dir
+    processor = AutoProcessor.from_pretrained(folder)
+    tokenizer, cfg = processor.tokenizer, json.loads((folder / "config.json").read_text())
+    ids = tokenizer.convert_tokens_to_ids
+    assert cfg["image_token_id"] == ids("<|image_pad|>") == processor.image_token_id
+    assert cfg["video_token_id"] == ids("<|video_pad|>")
+    assert cfg["vision_start_token_id"] == ids("<|vision_start|>")
+    assert cfg["vision_end_token_id"] == ids("<|vision_end|>")
+    assert cfg["text_config"]["vocab_size"] == len(tokenizer) == stats["tokenizer_size"]
+    assert cfg["text_config"]["eos_token_id"] == tokenizer.eos_token_id == ids("<|im_end|>")
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [ids("<|im_end|>"), ids("<|endoftext|>")]
+    assert set(SPECIAL_TOKENS) <= set(tokenizer.all_special_tokens)
+    assert not set(TAGS) & set(tokenizer.all_special_tokens)
+    response = "<think> There are 2 triangles, so 2 x 180 = 360. </think><answer> 360 </answer>"
+    decoded = tokenizer.decode(tokenizer(response + "<|im_end|>")["input_ids"], skip_special_tokens=True)
+    assert decoded == response and r1v(decoded, "360")["overall"] == 1.0
+
+
+def test_model_build_is_deterministic_and_replaces_the_folder(model_dir, tmp_path):
+    cfg, folder, _ = model_dir
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "stale.txt").write_text("from an older build")
+    make_model(cfg, target)
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == sorted(p.name for p in target.iterdir())
+    assert "model.safetensors" in files and "chat_template.jinja" in files
+    for name in files:
+        assert (target / name).read_bytes() == (folder / name).read_bytes(), name
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary or old folders left
+
+
+# ---------------------------------------------------------------------------------------------
+# After the default warm-up
+
+
+@pytest.mark.slow
+def test_default_warmup_teaches_format_at_t1_but_leaves_greedy_unformatted_and_at_chance(tmp_path):
+    cfg = demo_config(tmp_path, n_train=4, n_val=4, n_test=64)
+    data = cfg["data"]
+    make_dataset(cfg, tmp_path / "data")
+    stats = make_model(cfg, tmp_path / "model")
+    assert stats["warmup"]["loss_final"] < 0.5 < stats["warmup"]["loss_first"]
+    processor = AutoProcessor.from_pretrained(tmp_path / "model", min_pixels=data["min_pixels"], max_pixels=data["max_pixels"])
+    processor.tokenizer.padding_side = "left"
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "model").eval()
+    rows = pq.read_table(tmp_path / "data" / "test.parquet").to_pylist()
+    encoded = [
+        {
+            "prompt": render_prompt(processor, row["problem"], data["format_prompt"]),
+            "images": [resize_image(decode_image(row["images"][0]), data["min_pixels"], data["max_pixels"])],
+        }
+        for row in rows
+    ]
+    prompts = PromptBatch.from_processor(encode_prompts(processor, encoded), [1] * len(rows))
+    engine = HFEngine(model, processor)
+
+    def scores(temperature: float, n: int) -> dict[str, float]:
+        keys = torch.tensor([sample_key(cfg["seed"], i, j) for i in range(len(rows)) for j in range(n)])
+        out = engine.generate(prompts.repeat_interleave(n), keys, SamplingParams(temperature, 1.0, data["max_response_length"]), 64)
+        graded = [r1v(text, row["answer"]) for text, row in zip(out.texts, (r for r in rows for _ in range(n)))]
+        return {k: float(np.mean([g[k] for g in graded])) for k in ("format", "accuracy")}
+
+    sampled, greedy = scores(1.0, 4), scores(0.0, 1)
+    assert 0.05 < sampled["format"] < 0.6  # parseable some of the time: something for GRPO to reinforce
+    assert greedy["format"] == 0.0  # greedy validation starts unformatted, as Qwen2.5-VL-3B on Geometry3K
+    assert 0.1 < greedy["accuracy"] < 0.4  # and at chance: the warm-up never taught the answer

@@ -96,7 +96,7 @@ def build_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Qwe
         pad_token=PAD_TOKEN,
         extra_special_tokens=[t for t in SPECIAL_TOKENS if t != PAD_TOKEN],
         chat_template=CHAT_TEMPLATE,
-        model_max_length=32768,
+        model_max_length=32768,  # the text model's max_position_embeddings (Qwen2_5_VLTextConfig's default)
     )
 
 

@@ -166,12 +166,13 @@ def make_dataset(cfg: dict, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes = {"train": demo["n_train"], "validation": demo["n_val"], "test": demo["n_test"]}
     stats: dict = {"task": demo["task"], "seed": cfg["seed"], "image_size": demo["image_size"], "splits": {}}
+    answers: dict[str, list[str]] = {}
     for split in SPLITS:
         rows = make_rows(cfg["seed"], split, sizes[split], demo["image_size"])
         write_parquet(rows, out_dir / f"{split}.parquet")
-        answers = [r["answer"] for r in rows]
-        stats["splits"][split] = {"rows": len(rows), "answers": dict(sorted(Counter(answers).items()))}
-    answer, accuracy = best_constant_accuracy(answers)  # answers of the last split: test
+        answers[split] = [r["answer"] for r in rows]
+        stats["splits"][split] = {"rows": len(rows), "answers": dict(sorted(Counter(answers[split]).items()))}
+    answer, accuracy = best_constant_accuracy(answers["test"])
     stats["best_constant_answer"] = {"split": "test", "answer": answer, "accuracy": accuracy}
     stats["seconds"] = round(time.perf_counter() - start, 3)
     return stats

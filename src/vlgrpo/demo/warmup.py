@@ -47,7 +47,7 @@ def warm_up(model, processor, rows: list[dict], demo: dict, template: str, rng: 
     `template` (r1v or math).
     """
     steps, batch_size = demo["warmup_steps"], demo["warmup_batch_size"]
-    stats = {"steps": steps, "batch_size": batch_size, "lr": demo["warmup_lr"], "loss_first": None, "loss_final": None}
+    stats = {"steps": steps, "batch_size": batch_size, "lr": demo["warmup_lr"], "loss_first": None, "loss_final": None, "seconds": 0.0}
     if steps == 0:
         return stats
     prompts = PromptBatch.from_processor(encode_prompts(processor, rows), [len(r["images"]) for r in rows])

@@ -60,15 +60,20 @@ def model_path_for(cfg: dict, step: int) -> str:
     return str(folder)
 
 
-def evaluate(cfg: dict, step: int) -> dict:
-    """Validate step `step`; write its JSON and JSONL; return the record."""
+def evaluate(cfg: dict, step: int, model=None) -> dict:
+    """Validate step `step`; write its JSON and JSONL; return the record.
+
+    model: an in-memory model to validate instead of loading step's (the benchmark's random weights).
+    """
     start = time.perf_counter()
     exp = config_lib.experiment_dir(cfg)
     data, val = cfg["data"], cfg["worker"]["rollout"]["val_override_config"]
     device = resolve_device(cfg["trainer"]["device"])
     processor = load_processor(cfg["model"]["path"], data["min_pixels"], data["max_pixels"])
-    model = load_model(model_path_for(cfg, step), cfg["model"], device, trainable=False)
-    engine = make_engine(cfg["worker"]["rollout"]["engine"], model, processor)
+    if model is None:
+        model = load_model(model_path_for(cfg, step), cfg["model"], device, trainable=False)
+    rollout = cfg["worker"]["rollout"]
+    engine = make_engine(rollout["engine"], model, processor, rollout["cuda_graph"])
     reward = cfg["worker"]["reward"]
     reward_fn = load_reward_function(reward["reward_function"], reward["format_weight"])
     rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))
@@ -100,6 +105,7 @@ def evaluate(cfg: dict, step: int) -> dict:
         **_length_stats("val_response_length", out.lengths, data["max_response_length"]),
         **_length_stats("val_prompt_length", prompts.attention_mask.sum(-1), data["max_prompt_length"]),
         "val/tokens_per_s": float(out.lengths.sum()) / gen_s,
+        "timing_s/generation": gen_s,
     }
     record["samples"] = [
         {

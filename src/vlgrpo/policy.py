@@ -4,19 +4,62 @@ The log-prob forward runs the model's own forward over prompt + response with th
 attention mask, image inputs and mm_token_type_ids (zeros over the response), so Qwen2.5-VL computes
 the same 3-D rope positions that generation used, and divides the logits by the sampling temperature
 as EasyR1/verl do.
+
+Speed switches (ForwardOptions, all off by default and none changes the result beyond rounding):
+- prefix sharing: the n samples of a prompt share one forward over the prompt (image included);
+  their responses attend to its cached keys/values at the positions the full forward gives them;
+- chunked log-probs: the LM head and log-softmax run over `logprobs_chunk_size` positions at a time
+  and are recomputed in backward, so float32 full-vocabulary logits never exist for a micro-batch;
+- packed vision attention (set on the model by prepare_model): the vision tower's windows and images
+  go through one batched attention call instead of one call each;
+- dynamic batching (micro_batches): micro-batches sized by a padded-token budget.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForImageTextToText
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers import AttentionInterface, AutoModelForImageTextToText, DynamicCache
 
 from vlgrpo.batch import PromptBatch
+from vlgrpo.config import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
+                     cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """Attention within packed segments in one SDPA call: each segment padded to the longest.
+
+    query/key/value: (1, heads, S, D), S tokens of segments bounded by cu_seq_lens_q (n + 1,).
+    Returns ((1, S, heads, D), None) as transformers' flash-attention functions do.
+    """
+    _, heads, total, dim = query.shape
+    bounds = cu_seq_lens_q.long()
+    lengths = bounds[1:] - bounds[:-1]
+    count, width = lengths.numel(), -(-int(max_length_q) // 16) * 16  # aligned rows for the fused kernels
+    positions = torch.arange(total, device=query.device)
+    segment = torch.repeat_interleave(torch.arange(count, device=query.device), lengths, output_size=total)
+    slot = segment * width + positions - bounds[segment]  # (S,) place of each token in the padded layout
+
+    def pad(x):  # (1, heads, S, D) -> (count, heads, width, D)
+        padded = x.new_zeros(heads, count * width, dim).index_copy(1, slot, x[0])
+        return padded.view(heads, count, width, dim).transpose(0, 1)
+
+    valid = torch.arange(width, device=query.device) < lengths[:, None]  # (count, width) real keys
+    out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), attn_mask=valid[:, None, None, :], scale=scaling)
+    out = out.transpose(0, 1).reshape(heads, count * width, dim)[:, slot]  # (heads, S, D)
+    return out.transpose(0, 1)[None], None
+
+
+# "flash" in the name: Qwen2.5-VL's vision attention hands packed cu_seqlens only to such implementations.
+PACKED_VISION_ATTENTION = "vlgrpo_packed_flash_varlen"
+AttentionInterface.register(PACKED_VISION_ATTENTION, packed_attention)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -34,12 +77,22 @@ def load_model(path: str | os.PathLike, model_cfg: dict, device: torch.device, t
         dtype=DTYPES[model_cfg["dtype"]],
         attn_implementation=model_cfg["attn_implementation"],
         trust_remote_code=model_cfg["trust_remote_code"],
-    ).to(device)
+    )
+    return prepare_model(model, model_cfg, device, trainable)
+
+
+def prepare_model(model, model_cfg: dict, device: torch.device, trainable: bool):
+    """Move to `device` in eval mode and apply the model settings (also to an in-memory model)."""
+    model = model.to(device)
     model.eval()
+    vision = model.model.visual.config
+    vision._attn_implementation = PACKED_VISION_ATTENTION if model_cfg["packed_vision_attention"] else model_cfg["attn_implementation"]
     if trainable:
         if model_cfg["gradient_checkpointing"]:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
+        else:
+            model.gradient_checkpointing_disable()
     else:
         model.requires_grad_(False)
     return model
@@ -49,32 +102,181 @@ def is_model_dir(path: str | os.PathLike) -> bool:
     return (Path(path) / "config.json").is_file()
 
 
+@dataclass(frozen=True)
+class ForwardOptions:
+    prefix_sharing: bool = False
+    logprobs_chunk_size: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ForwardOptions":
+        actor = cfg["worker"]["actor"]
+        if actor["prefix_sharing"] and cfg["model"]["gradient_checkpointing"]:
+            raise ConfigError(
+                "'worker.actor.prefix_sharing' needs 'model.gradient_checkpointing' false "
+                "(checkpointed layers drop the prompt's cached keys/values)"
+            )
+        return cls(actor["prefix_sharing"], actor["logprobs_chunk_size"])
+
+
+def prompt_runs(prompts: PromptBatch) -> tuple[list[int], torch.Tensor]:
+    """Runs of identical consecutive rows (the n samples of a prompt): ids, mask and images equal.
+
+    Returns the first row of each run (U) and each row's run index, (N,) long.
+    """
+    grids = prompts.image_grid_thw
+    patches = [0] + (grids.prod(-1).cumsum(0).tolist() if grids is not None else [])
+    images = [0] + prompts.num_images.cumsum(0).tolist()
+
+    def image_rows(r):  # (image slice, pixel-row slice) of row r
+        return slice(images[r], images[r + 1]), slice(patches[images[r]], patches[images[r + 1]])
+
+    def same(r):
+        if not (torch.equal(prompts.input_ids[r], prompts.input_ids[r - 1])
+                and torch.equal(prompts.attention_mask[r], prompts.attention_mask[r - 1])):
+            return False
+        if grids is None:
+            return True
+        (gi, pi), (gj, pj) = image_rows(r), image_rows(r - 1)
+        return torch.equal(grids[gi], grids[gj]) and torch.equal(prompts.pixel_values[pi], prompts.pixel_values[pj])
+
+    first, source = [], []
+    for r in range(len(prompts)):
+        if not (r and same(r)):
+            first.append(r)
+        source.append(len(first) - 1)
+    return first, torch.tensor(source, dtype=torch.long)
+
+
+@dataclass
+class Prefix:
+    """The forward over U distinct prompts, for their samples to continue from."""
+
+    last_hidden: torch.Tensor  # (U, H) final hidden state at the last prompt position
+    cache: DynamicCache  # keys/values per layer, (U, kv_heads, P, D)
+    next_position: torch.Tensor  # (U,) rope position of the first response token
+    attention_mask: torch.Tensor  # (U, P)
+
+
+def prefix_forward(model, prompts: PromptBatch) -> Prefix:
+    """The model's own forward over `prompts` (on the model's device) with a cache."""
+    out = model.model(**prompts.model_inputs(), use_cache=True)
+    width = prompts.input_ids.shape[1]
+    if prompts.image_grid_thw is None:  # text only: 1-D positions run over the padding
+        next_position = torch.full((len(prompts),), width, device=prompts.input_ids.device)
+    else:  # text after the prompt continues from its largest 3-D position (rope_deltas + valid length)
+        next_position = out.rope_deltas.view(-1) + prompts.attention_mask.sum(-1)
+    return Prefix(out.last_hidden_state[:, -1], out.past_key_values, next_position, prompts.attention_mask)
+
+
+def _shared_prefix_hidden(model, prompts: PromptBatch, responses, response_mask) -> torch.Tensor:
+    """Hidden states that predict each response token, each distinct prompt encoded once. -> (N, R, H)"""
+    first, source = prompt_runs(prompts)
+    source = source.to(responses.device)
+    prefix = prefix_forward(model, prompts.select(first))
+    cache = DynamicCache(config=model.config)
+    for i in range(len(model.model.language_model.layers)):
+        layer = prefix.cache.layers[i]
+        cache.update(layer.keys.index_select(0, source), layer.values.index_select(0, source), i)
+    mask = torch.cat([prefix.attention_mask.index_select(0, source), response_mask], dim=1)
+    positions = prefix.next_position.index_select(0, source)[:, None] + torch.arange(responses.shape[1], device=responses.device)
+    out = model.model.language_model(
+        input_ids=responses, attention_mask=mask, position_ids=positions[None].expand(3, -1, -1),
+        past_key_values=cache, use_cache=True,
+    )
+    return torch.cat([prefix.last_hidden.index_select(0, source)[:, None], out.last_hidden_state[:, :-1]], dim=1)
+
+
+def token_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
+    """log softmax(head(hidden) / temperature) at `targets`: (N, R, H), (N, R) -> (N, R) float32.
+
+    chunk > 0: `chunk` positions at a time; under autograd each chunk's logits are recomputed in
+    backward instead of kept.
+    """
+
+    def piece(h, y):
+        logits = head(h).float()
+        if temperature > 0:
+            logits = logits / temperature
+        return logits.log_softmax(dim=-1).gather(-1, y[..., None]).squeeze(-1)
+
+    if chunk <= 0:
+        return piece(hidden, targets)
+    flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    grad = torch.is_grad_enabled() and flat_h.requires_grad
+    parts = [
+        checkpoint(piece, flat_h[s : s + chunk], flat_y[s : s + chunk], use_reentrant=False) if grad
+        else piece(flat_h[s : s + chunk], flat_y[s : s + chunk])
+        for s in range(0, flat_y.numel(), chunk)
+    ]
+    return torch.cat(parts).view_as(targets)
+
+
 def response_logprobs(
     model,
     prompts: PromptBatch,
     responses: torch.Tensor,
     response_mask: torch.Tensor,
     temperature: float,
+    options: ForwardOptions = ForwardOptions(),
 ) -> torch.Tensor:
     """Log-probs of the response tokens under softmax(logits / temperature).
 
     prompts: N rows (left-padded, P columns); responses, response_mask: (N, R).
-    Returns logp (N, R) float32, zero where the mask is 0. Only the last R + 1 positions go through
-    the LM head.
+    Returns logp (N, R) float32, zero where the mask is 0. Only the R positions that predict a
+    response token go through the LM head.
     """
     device, full_width = model.device, responses.shape[1]
     width = int(response_mask.sum(-1).max())  # trailing all-padding columns are not computed
     responses, response_mask = responses[:, :width].to(device), response_mask[:, :width].to(device)
-    inputs = prompts.to(device, model.dtype).model_inputs()
-    inputs["input_ids"] = torch.cat([inputs["input_ids"], responses], dim=1)
-    inputs["attention_mask"] = torch.cat([inputs["attention_mask"], response_mask], dim=1)
-    if "mm_token_type_ids" in inputs:
-        inputs["mm_token_type_ids"] = torch.cat(
-            [inputs["mm_token_type_ids"], torch.zeros_like(responses, dtype=inputs["mm_token_type_ids"].dtype)], dim=1
-        )
-    logits = model(**inputs, use_cache=False, logits_to_keep=width + 1).logits[:, :-1]  # (N, R, V)
-    logits = logits.float()
-    if temperature > 0:
-        logits = logits / temperature
-    logp = logits.log_softmax(dim=-1).gather(-1, responses[..., None]).squeeze(-1) * response_mask
-    return torch.nn.functional.pad(logp, (0, full_width - width))
+    prompts = prompts.to(device, model.dtype)
+    if options.prefix_sharing:
+        hidden = _shared_prefix_hidden(model, prompts, responses, response_mask)
+    else:
+        inputs = prompts.model_inputs()
+        inputs["input_ids"] = torch.cat([inputs["input_ids"], responses], dim=1)
+        inputs["attention_mask"] = torch.cat([inputs["attention_mask"], response_mask], dim=1)
+        if "mm_token_type_ids" in inputs:
+            inputs["mm_token_type_ids"] = torch.cat(
+                [inputs["mm_token_type_ids"], torch.zeros_like(responses, dtype=inputs["mm_token_type_ids"].dtype)], dim=1
+            )
+        hidden = model.model(**inputs, use_cache=False).last_hidden_state[:, -(width + 1) : -1]  # (N, R, H)
+    logp = token_logprobs(model.lm_head, hidden, responses, temperature, options.logprobs_chunk_size) * response_mask
+    return F.pad(logp, (0, full_width - width))
+
+
+def micro_batches(prompts: PromptBatch, response_mask: torch.Tensor, rows: list[int], size: int, dynamic: bool) -> list[list[int]]:
+    """Split `rows` into micro-batches.
+
+    Fixed: consecutive chunks of `size` rows. dynamic (EasyR1's dynamic_batching): a budget of
+    size x (prompt width + response width) padded tokens per micro-batch; rows of equal prompt ids
+    stay together (so prefix sharing sees a prompt's samples at once), shorter prompts first, and a
+    micro-batch costs rows x (longest prompt + longest response) in it.
+    """
+    if not dynamic:
+        return [rows[i : i + size] for i in range(0, len(rows), size)]
+    prompt_len = prompts.attention_mask.sum(-1).tolist()
+    response_len = response_mask.sum(-1).tolist()
+    budget = size * (prompts.input_ids.shape[1] + response_mask.shape[1])
+    runs: list[list[int]] = []
+    for r in rows:
+        if runs and torch.equal(prompts.input_ids[r], prompts.input_ids[runs[-1][-1]]):
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    runs.sort(key=lambda run: prompt_len[run[0]])  # stable: less left padding per micro-batch
+
+    def cost(group):
+        return len(group) * (max(prompt_len[i] for i in group) + max(response_len[i] for i in group))
+
+    out: list[list[int]] = []
+    current: list[int] = []
+    for run in runs:
+        if current and cost(current + run) > budget and cost(run) <= budget:  # start a run afresh if it fits
+            out.append(current)
+            current = []
+        for r in run:  # else fill up row by row
+            if current and cost(current + [r]) > budget:
+                out.append(current)
+                current = []
+            current.append(r)
+    return out + [current] if current else out

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import logging
 import os
 import signal
@@ -133,6 +134,7 @@ class GRPOTrainer:
         self.reward_fn = load_reward_function(reward["reward_function"], reward["format_weight"])
         self.store = CheckpointStore(paths.path(paths.CHECKPOINTS, self.exp_dir))
         self.policy = self.ref = self.optimizer = self.engine = None
+        self.forward = ForwardOptions.from_config(cfg)
         self.nonfinite_in_a_row = 0
 
     # --- data ------------------------------------------------------------------------------
@@ -144,18 +146,27 @@ class GRPOTrainer:
         return order[position * self.batch_size : (position + 1) * self.batch_size].tolist()
 
     # --- state -----------------------------------------------------------------------------
-    def load(self, step: int) -> None:
-        """Policy, reference, optimizer and rollout engine, resumed from checkpoint `step` (0 = base)."""
+    def load(self, step: int, base=None) -> None:
+        """Policy, reference, optimizer and rollout engine, resumed from checkpoint `step` (0 = base).
+
+        base: an in-memory base model used instead of model.path at step 0 (the benchmark's random
+        weights); the reference is a copy of it.
+        """
         model_cfg = self.cfg["model"]
-        source = self.store.model_dir(step) if step else model_cfg["path"]
-        self.policy = load_model(source, model_cfg, self.device, trainable=True)
+        if base is not None and step:
+            raise ValueError("an in-memory base model only starts a run (step 0)")
         algorithm = self.cfg["algorithm"]
         if algorithm["use_kl_loss"] and algorithm["kl_coef"] > 0:
-            self.ref = load_model(model_cfg["path"], model_cfg, self.device, trainable=False)
+            self.ref = (load_model(model_cfg["path"], model_cfg, self.device, trainable=False) if base is None
+                        else prepare_model(copy.deepcopy(base), model_cfg, self.device, trainable=False))
+        source = self.store.model_dir(step) if step else model_cfg["path"]
+        self.policy = (load_model(source, model_cfg, self.device, trainable=True) if base is None
+                       else prepare_model(base, model_cfg, self.device, trainable=True))
         self.optimizer = build_optimizer(self.cfg, self.policy)
         if step:
             self.store.load_optimizer(step, self.optimizer)
-        self.engine = make_engine(self.cfg["worker"]["rollout"]["engine"], self.policy, self.processor)
+        rollout = self.cfg["worker"]["rollout"]
+        self.engine = make_engine(rollout["engine"], self.policy, self.processor, rollout["cuda_graph"])
 
     def save(self, step: int, run_id: str) -> Path:
         epoch, position = divmod(step, self.steps_per_epoch)
@@ -170,15 +181,19 @@ class GRPOTrainer:
         return self.store.save(step, self.policy, self.processor, self.optimizer, state)
 
     # --- one step --------------------------------------------------------------------------
+    def _micro_batches(self, prompts: PromptBatch, mask, rows: list[int], micro: int) -> list[list[int]]:
+        return micro_batches(prompts, mask, rows, micro, self.cfg["worker"]["actor"]["dynamic_batching"])
+
     def _logprobs(self, model, prompts: PromptBatch, responses, mask, micro: int) -> torch.Tensor:
         temperature = self.cfg["worker"]["rollout"]["temperature"]
-        out = []
+        out = torch.zeros(responses.shape, dtype=torch.float32)
         with torch.no_grad():
-            for start in range(0, len(prompts), micro):
-                rows = list(range(start, min(start + micro, len(prompts))))
-                out.append(response_logprobs(model, prompts.select(rows), responses[rows], mask[rows], temperature).cpu())
+            for rows in self._micro_batches(prompts, mask, list(range(len(prompts))), micro):
+                out[rows] = response_logprobs(
+                    model, prompts.select(rows), responses[rows], mask[rows], temperature, self.forward
+                ).cpu()
                 self.heartbeat.beat()
-        return torch.cat(out)
+        return out
 
     def step(self, step: int) -> dict:
         cfg, rollout_cfg, actor = self.cfg, self.cfg["worker"]["rollout"], self.cfg["worker"]["actor"]
@@ -196,7 +211,9 @@ class GRPOTrainer:
             enc = encode_prompts(self.processor, rows)
             prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(n)
             keys = torch.tensor([sample_key(cfg["seed"], step, r["index"], j) for r in rows for j in range(n)])
-            params = SamplingParams(rollout_cfg["temperature"], rollout_cfg["top_p"], cfg["data"]["max_response_length"])
+            params = SamplingParams(
+                rollout_cfg["temperature"], rollout_cfg["top_p"], cfg["data"]["max_response_length"], rollout_cfg["ignore_eos"]
+            )
             out = self.engine.generate(prompts, keys, params, batch_size=len(prompts))
         self.heartbeat.beat()
         with timer(timing, "reward"):
@@ -264,9 +281,10 @@ class GRPOTrainer:
                 mask = out.response_mask[mini_rows].float()
                 denominator = float(mask.sum()) if mode == "token" else float(len(mini_rows))
                 self.optimizer.zero_grad(set_to_none=True)
-                for m in range(0, len(mini_rows), micro):
-                    rows = mini_rows[m : m + micro]
-                    logp = response_logprobs(self.policy, prompts.select(rows), out.responses[rows], out.response_mask[rows], temperature)
+                for rows in self._micro_batches(prompts, out.response_mask, mini_rows, micro):
+                    logp = response_logprobs(
+                        self.policy, prompts.select(rows), out.responses[rows], out.response_mask[rows], temperature, self.forward
+                    )
                     dev = logp.device
                     rmask = out.response_mask[rows].float().to(dev)
                     loss, metrics = grpo.policy_loss(

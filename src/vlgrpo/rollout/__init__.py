@@ -2,8 +2,9 @@
 
 An engine takes a PromptBatch (already repeated n times per prompt) and one 32-bit key per row,
 and returns a Rollout. Keys come from sampling.sample_key(seed, step, prompt index, sample index),
-so each sample is reproducible on its own. `hf` (transformers generate) is the engine here; a vLLM
-engine implements the same `generate` signature.
+so each sample is reproducible on its own. Engines: `hf` (transformers generate) and `static`
+(static KV cache, decode step replayed as a CUDA graph; same tokens); a vLLM engine implements the
+same `generate` signature.
 """
 
 from __future__ import annotations
@@ -34,10 +35,14 @@ class Rollout:
         return self.response_mask.sum(-1)
 
 
-def make_engine(name: str, model, processor):
-    """The rollout engine named by worker.rollout.engine."""
+def make_engine(name: str, model, processor, cuda_graph: bool = True):
+    """The rollout engine named by worker.rollout.engine (cuda_graph: worker.rollout.cuda_graph, static only)."""
     if name == "hf":
         from vlgrpo.rollout.hf import HFEngine
 
         return HFEngine(model, processor)
-    raise ValueError(f"rollout engine {name!r} is not available here (engines: hf)")
+    if name == "static":
+        from vlgrpo.rollout.static import StaticEngine
+
+        return StaticEngine(model, processor, cuda_graph)
+    raise ValueError(f"rollout engine {name!r} is not available here (engines: hf, static)")

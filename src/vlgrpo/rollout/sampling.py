@@ -31,10 +31,11 @@ def sample_key(*parts: int) -> int:
     return int(h)
 
 
-def uniform_noise(keys: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
+def uniform_noise(keys: torch.Tensor, position: int | torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniform (0, 1) noise, one value per (row, token).
 
-    keys: (N,) int64 row keys; returns (N, V) float32 that depends only on (key, position, token).
+    keys: (N,) int64 row keys; position: an int or a (1,) int64 tensor on keys' device (the static
+    engine keeps it there); returns (N, V) float32 that depends only on (key, position, token).
     """
     row = _mix32(keys.to(torch.int64) * 31 + position * _M3)[:, None]  # (N, 1)
     tok = _mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64) + _M1)[None, :]  # (1, V)
@@ -59,7 +60,7 @@ def top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def keyed_sample(
     logits: torch.Tensor,
     keys: torch.Tensor,
-    position: int,
+    position: int | torch.Tensor,
     temperature: float,
     top_p: float,
     banned: torch.Tensor | None = None,

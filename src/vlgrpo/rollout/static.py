@@ -1,0 +1,186 @@
+"""Rollout engine with a static KV cache and the whole decode step captured in one CUDA graph.
+
+Same interface, sampling and outputs as HFEngine (keyed sampling, banned vision tokens, EOS
+masking: HFEngine.generate does the chunking and the masking), built for speed on a GPU:
+- prefill: each run of identical prompt rows (the n samples of a prompt) is encoded once, image
+  included, by the model's own forward (policy.prefix_forward); its keys/values are copied into a
+  static cache one row per sample, right-aligned at the prompt width, and the first token is
+  sampled from its last logits;
+- decode: one step embeds the last token, applies rope at the row's next text position (the three
+  Qwen2.5-VL rope axes are equal for text after the prompt, so this is plain rope), writes the new
+  key/value into the cache, attends over the whole cache under a row mask, runs the model's own
+  norms, projections, MLPs and LM head, and samples the next token with keyed_sample, all on the
+  device. Step counters live in device tensors, so on CUDA the step is captured once per shape
+  (rows, cache width bucket, sampling parameters) and replayed without host work. With
+  ignore_eos, EOS is never sampled, as the hf engine's generate (min_new_tokens) does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from vlgrpo.batch import PromptBatch
+from vlgrpo.policy import prefix_forward, prompt_runs
+from vlgrpo.rollout import SamplingParams
+from vlgrpo.rollout.hf import HFEngine
+from vlgrpo.rollout.sampling import keyed_sample
+
+WIDTH_BUCKET = 128  # cache widths are rounded up to this, so most steps reuse the captured graph
+PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward: bounds its activation memory
+EOS_CHECK_EVERY = 32  # decode steps between host checks that every row has ended
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class _Decoder:
+    """Static buffers and the decode step for `rows` sequences in a cache `width` positions wide."""
+
+    def __init__(self, model, rows: int, width: int, max_tokens: int, params: SamplingParams, banned, eos_ids, pad_id):
+        lm = model.model.language_model
+        text = lm.config
+        self.layers, self.norm, self.embed, self.head = lm.layers, lm.norm, lm.embed_tokens, model.lm_head
+        self.inv_freq, self.rope_scale = lm.rotary_emb.inv_freq, lm.rotary_emb.attention_scaling
+        self.heads, self.kv_heads = text.num_attention_heads, text.num_key_value_heads
+        self.head_dim = text.hidden_size // text.num_attention_heads
+        self.params, self.banned, self.eos, self.pad_id = params, banned, eos_ids, pad_id
+        device, dtype = model.device, model.dtype
+        shape = (len(self.layers), rows, self.kv_heads, width, self.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.mask = torch.zeros(rows, width, device=device, dtype=torch.bool)  # keys a row may attend to
+        self.tokens = torch.zeros(rows, device=device, dtype=torch.long)  # the token fed at this step
+        self.keys = torch.zeros(rows, device=device, dtype=torch.long)
+        self.position = torch.zeros(rows, device=device, dtype=torch.long)  # rope position of response token 0
+        self.prompt_width = torch.zeros(1, device=device, dtype=torch.long)  # cache column of response token 0
+        self.step_index = torch.zeros(1, device=device, dtype=torch.long)  # t: response token t is fed
+        self.out_tokens = torch.zeros(rows, max_tokens, device=device, dtype=torch.long)
+        self.out_logp = torch.zeros(rows, max_tokens, device=device, dtype=torch.float32)
+        self.finished = torch.zeros(rows, device=device, dtype=torch.bool)
+        self.graph = None
+
+    def step(self) -> None:
+        """Feed response token t, sample token t + 1 (buffers in, buffers out)."""
+        t, rows = self.step_index, self.tokens.shape[0]
+        write = self.prompt_width + t
+        self.mask.index_fill_(1, write, True)
+        freqs = (self.position + t)[:, None].float() * self.inv_freq[None, :]  # (rows, D/2), as the model's rope
+        emb = torch.cat([freqs, freqs], dim=-1)
+        x = self.embed(self.tokens)  # (rows, H)
+        cos = (emb.cos() * self.rope_scale).to(x.dtype)[:, None, :]
+        sin = (emb.sin() * self.rope_scale).to(x.dtype)[:, None, :]
+        attend = self.mask[:, None, None, :]
+        group = self.heads // self.kv_heads
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(rows, self.heads, self.head_dim)
+            k = attn.k_proj(h).view(rows, self.kv_heads, self.head_dim)
+            v = attn.v_proj(h).view(rows, self.kv_heads, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.k[i].index_copy_(2, write, k[:, :, None])
+            self.v[i].index_copy_(2, write, v[:, :, None])
+            # The query heads of one key/value head form the query rows of one attention call.
+            o = F.scaled_dot_product_attention(
+                q.view(rows, self.kv_heads, group, self.head_dim), self.k[i], self.v[i], attn_mask=attend, scale=attn.scaling
+            )
+            x = x + attn.o_proj(o.reshape(rows, self.heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = self.head(self.norm(x))
+        p = self.params
+        tokens, logp = keyed_sample(logits, self.keys, t + 1, p.temperature, p.top_p, self.banned)
+        self.tokens.copy_(tokens)
+        self.out_tokens.index_copy_(1, t + 1, tokens[:, None])
+        self.out_logp.index_copy_(1, t + 1, logp[:, None])
+        self.finished |= torch.isin(tokens, self.eos)
+        self.step_index.add_(1)
+
+    def capture(self) -> None:
+        """Record the step as a CUDA graph (one eager warm-up on a side stream first, as CUDA graphs need)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
+
+    def run(self, steps: int, stop_at_eos: bool, progress) -> None:
+        for i in range(steps):
+            self.graph.replay() if self.graph is not None else self.step()
+            progress.update(1)
+            if stop_at_eos and (i + 1) % EOS_CHECK_EVERY == 0 and bool(self.finished.all()):
+                break
+
+
+class StaticEngine(HFEngine):
+    def __init__(self, model, processor, cuda_graph: bool = True):
+        super().__init__(model, processor)
+        self.cuda_graph = cuda_graph and model.device.type == "cuda"
+        self._decoder: _Decoder | None = None
+        self._shape = None
+
+    def _decoder_for(self, rows: int, width: int, params: SamplingParams) -> _Decoder:
+        shape = (rows, width, params)
+        if shape != self._shape:
+            self._decoder = self._shape = None  # free the old cache before allocating the new one
+            device = self.model.device
+            eos = torch.tensor(self.eos_ids, device=device)
+            banned = self.banned.to(device)
+            if params.ignore_eos:  # as the hf engine (generate's min_new_tokens): EOS is never sampled
+                banned = banned.index_fill(0, eos, True)
+            decoder = _Decoder(self.model, rows, width, params.max_tokens, params, banned, eos, self.pad_id)
+            if self.cuda_graph and params.max_tokens > 1:
+                decoder.capture()
+            self._decoder, self._shape = decoder, shape
+        return self._decoder
+
+    def _prefill(self, sub: PromptBatch, dec: _Decoder) -> torch.Tensor:
+        """Encode each distinct prompt once into the decoder's cache; returns (rows, V) last logits."""
+        first, source = prompt_runs(sub)
+        source = source.to(sub.input_ids.device)
+        width = sub.input_ids.shape[1]
+        per_forward = max(1, PREFILL_TOKENS // width)
+        logits = None
+        for start in range(0, len(first), per_forward):
+            stop = min(start + per_forward, len(first))
+            pre = prefix_forward(self.model, sub.select(first[start:stop]))
+            rows = ((source >= start) & (source < stop)).nonzero().squeeze(1)
+            local = source[rows] - start
+            cols = slice(width - pre.attention_mask.shape[1], width)  # right-aligned: the last prompt token at width - 1
+            for i in range(len(dec.layers)):
+                dec.k[i, rows, :, cols] = pre.cache.layers[i].keys.index_select(0, local)
+                dec.v[i, rows, :, cols] = pre.cache.layers[i].values.index_select(0, local)
+            dec.mask[rows, cols] = pre.attention_mask.bool().index_select(0, local)
+            dec.position[rows] = pre.next_position.index_select(0, local)
+            last = self.model.lm_head(pre.last_hidden).index_select(0, local)
+            logits = last.new_empty(len(source), last.shape[-1]) if logits is None else logits
+            logits[rows] = last
+        return logits
+
+    def _generate(self, sub: PromptBatch, keys, params: SamplingParams, progress):
+        rows, width = sub.input_ids.shape
+        cache_width = -(-(width + params.max_tokens - 1) // WIDTH_BUCKET) * WIDTH_BUCKET
+        dec = self._decoder_for(rows, cache_width, params)
+        dec.mask.zero_()
+        logits = self._prefill(sub, dec)
+        tokens, logp = keyed_sample(logits, keys, 0, params.temperature, params.top_p, dec.banned)
+        dec.keys.copy_(keys)
+        dec.tokens.copy_(tokens)
+        dec.prompt_width.fill_(width)
+        dec.step_index.zero_()
+        dec.out_tokens.fill_(self.pad_id)
+        dec.out_tokens[:, 0] = tokens
+        dec.out_logp.zero_()
+        dec.out_logp[:, 0] = logp
+        dec.finished.copy_(torch.isin(tokens, dec.eos))
+        with tqdm(total=params.max_tokens, desc="generate", leave=False, disable=not progress) as bar:
+            bar.update(1)
+            dec.run(params.max_tokens - 1, stop_at_eos=not params.ignore_eos, progress=bar)
+        return dec.out_tokens.clone(), dec.out_logp.clone()

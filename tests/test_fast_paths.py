@@ -1,0 +1,152 @@
+"""The speed switches compute what the plain paths compute (tiny demo model, float32, CPU)."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import make_experiment
+from vlgrpo.batch import PromptBatch
+from vlgrpo.data import encode_prompts, render_prompt
+from vlgrpo.policy import ForwardOptions, micro_batches, prepare_model, prompt_runs, response_logprobs
+from vlgrpo.rollout import SamplingParams, make_engine
+from vlgrpo.rollout.sampling import sample_key
+from vlgrpo.trainer import GRPOTrainer
+
+FAST = ForwardOptions(prefix_sharing=True, logprobs_chunk_size=7)  # 7: chunks cross row boundaries
+
+
+@pytest.fixture(scope="module")
+def trainer(demo_base, tmp_path_factory):
+    t = GRPOTrainer(make_experiment(demo_base, tmp_path_factory.mktemp("fast")))
+    t.load(0)
+    return t
+
+
+def samples(trainer, n=3, count=3):
+    """`count` prompts of different lengths, each repeated n times (as the trainer repeats them)."""
+    rows = []
+    for i, row in enumerate(trainer.rows[:count]):
+        problem = row["problem"] + " Look closely." * (2 * i)
+        rows.append({**row, "problem": problem, "prompt": render_prompt(trainer.processor, problem, "r1v")})
+    batch = PromptBatch.from_processor(encode_prompts(trainer.processor, rows), [1] * count)
+    assert len(set(batch.attention_mask.sum(-1).tolist())) == count
+    return batch.repeat_interleave(n)
+
+
+def rollout(trainer, prompts, temperature=1.0, max_tokens=20, engine=None):
+    keys = torch.tensor([sample_key(1, 2, i) for i in range(len(prompts))])
+    params = SamplingParams(temperature, 1.0, max_tokens)
+    return (engine or trainer.engine).generate(prompts, keys, params, batch_size=len(prompts))
+
+
+def test_prompt_runs_find_each_prompts_samples(trainer):
+    prompts = samples(trainer, n=3)
+    first, source = prompt_runs(prompts)
+    assert first == [0, 3, 6]
+    assert source.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    # Same text, different image: not a run.
+    swapped = prompts.select([0, 1])
+    swapped.pixel_values = swapped.pixel_values.clone()
+    swapped.pixel_values[-1] += 1
+    assert prompt_runs(swapped)[0] == [0, 1]
+
+
+def test_shared_prefix_chunked_logprobs_equal_plain(trainer):
+    prompts = samples(trainer)
+    out = rollout(trainer, prompts)
+    assert out.response_mask.sum() > 50 and len(set(out.lengths.tolist())) > 1  # ragged responses
+    with torch.no_grad():
+        plain = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 0.7)
+        fast = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 0.7, FAST)
+    mask = out.response_mask.bool()
+    assert (fast - plain).abs().max() < 1e-5, (fast - plain).abs().max()
+    assert (fast[~mask] == 0).all()
+
+
+def test_shared_prefix_chunked_gradients_equal_plain(trainer):
+    prompts = samples(trainer, n=2)
+    out = rollout(trainer, prompts, max_tokens=12)
+    weights = torch.linspace(-1, 1, out.responses.numel()).view_as(out.responses)
+    grads = {}
+    for name, options in (("plain", ForwardOptions()), ("fast", FAST)):
+        trainer.policy.zero_grad(set_to_none=True)
+        logp = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, options)
+        (logp * weights).sum().backward()
+        grads[name] = {n: p.grad.clone() for n, p in trainer.policy.named_parameters() if p.grad is not None}
+    trainer.policy.zero_grad(set_to_none=True)
+    assert grads["plain"].keys() == grads["fast"].keys()
+    assert any("visual" in n for n in grads["fast"])  # the image's gradient goes through the shared prefix
+    for n, g in grads["plain"].items():  # float32 sums in another order: relative error far under 1e-4
+        assert (grads["fast"][n] - g).norm() <= 1e-5 * g.norm() + 1e-8, (n, (grads["fast"][n] - g).norm() / g.norm())
+
+
+def test_packed_vision_attention_equals_per_window(trainer):
+    """Windows of different sizes (ragged edges) and images of different sizes in one call."""
+    model = copy.deepcopy(trainer.policy)
+    grid = torch.tensor([[1, 12, 20], [1, 8, 8], [1, 18, 10]])  # patches; windows of 8x8 with partial edges
+    vision = model.config.vision_config
+    torch.manual_seed(0)
+    pixels = torch.randn(int(grid.prod(-1).sum()), vision.in_channels * vision.temporal_patch_size * vision.patch_size**2)
+    cfg = {"packed_vision_attention": False, "attn_implementation": "sdpa", "gradient_checkpointing": False}
+    with torch.no_grad():
+        loop = torch.cat(model.model.get_image_features(pixels, grid).pooler_output)
+        prepare_model(model, {**cfg, "packed_vision_attention": True}, torch.device("cpu"), trainable=False)
+        packed = torch.cat(model.model.get_image_features(pixels, grid).pooler_output)
+    assert loop.shape == packed.shape == (int(grid.prod(-1).sum()) // 4, model.config.text_config.hidden_size)
+    assert (packed - loop).abs().max() < 1e-5 * loop.abs().max()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_static_engine_gives_the_hf_tokens(trainer, temperature):
+    """Greedy decoding and keyed sampling: the static-cache engine picks exactly the hf engine's tokens."""
+    prompts = samples(trainer, n=2)
+    static = make_engine("static", trainer.policy, trainer.processor)
+    hf = rollout(trainer, prompts, temperature, max_tokens=24)
+    fast = rollout(trainer, prompts, temperature, max_tokens=24, engine=static)
+    assert torch.equal(fast.responses, hf.responses)
+    assert torch.equal(fast.response_mask, hf.response_mask)
+    assert fast.texts == hf.texts
+    assert (fast.logp - hf.logp).abs().max() < 1e-5
+    assert len(set(hf.lengths.tolist())) > 1 or temperature == 0  # EOS handled, not only full-length rows
+    # ignore_eos: every response is max_tokens long, and EOS is never picked (as generate's min_new_tokens).
+    keys, params = torch.arange(len(prompts)), SamplingParams(temperature, 1.0, 24, ignore_eos=True)
+    full = static.generate(prompts, keys, params, batch_size=len(prompts))
+    assert full.lengths.tolist() == [24] * len(prompts)
+    assert not torch.isin(full.responses, torch.tensor(static.eos_ids)).any()
+    assert torch.equal(full.responses, trainer.engine.generate(prompts, keys, params, batch_size=len(prompts)).responses)
+
+
+def test_dynamic_micro_batches_respect_the_token_budget(trainer):
+    prompts = samples(trainer, n=4, count=3)
+    rows = list(range(len(prompts)))
+    plen = prompts.attention_mask.sum(-1)
+    assert micro_batches(prompts, torch.ones(12, 30), rows, 5, dynamic=False) == [rows[:5], rows[5:10], rows[10:]]
+    size, width = 3, 30
+    budget = size * (prompts.input_ids.shape[1] + width)
+    for lengths in ([30, 5, 12, 7] * 3, [3, 2, 4, 1] * 3):
+        mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+        plan = micro_batches(prompts, mask, rows, size, dynamic=True)
+        assert sorted(r for mb in plan for r in mb) == rows
+        for mb in plan:
+            assert len(mb) * (plen[mb].max() + mask[mb].sum(-1).max()) <= budget
+    assert max(len(mb) for mb in plan) > size  # short rows: fuller than fixed micro-batches
+    assert any({0, 1, 2, 3} <= set(mb) for mb in plan)  # a prompt's samples stay together when they fit
+
+
+def test_a_fast_step_equals_the_plain_step(demo_base, tmp_path):
+    """One whole GRPO step with every switch on gives the plain step's metrics."""
+    records = {}
+    fast = {"model": {"packed_vision_attention": True, "gradient_checkpointing": False},
+            "worker": {"rollout": {"engine": "static"},
+                       "actor": {"dynamic_batching": True, "prefix_sharing": True, "logprobs_chunk_size": 64,
+                                 "micro_batch_size_per_device_for_update": 3,
+                                 "micro_batch_size_per_device_for_experience": 5}}}
+    for name, overrides in (("plain", {}), ("fast", fast)):
+        cfg = make_experiment(demo_base, tmp_path / name, overrides)
+        t = GRPOTrainer(cfg)
+        t.load(0)
+        records[name] = t.step(1)
+    for key in ("reward/overall", "response_length/mean", "actor/entropy_loss", "actor/pg_loss", "actor/kl_loss",
+                "actor/ppo_kl", "actor/grad_norm"):
+        assert records["fast"][key] == pytest.approx(records["plain"][key], rel=1e-4, abs=1e-6), key

@@ -1,0 +1,299 @@
+"""GRPO step benchmark: the production GRPOTrainer.step, optimized and plain, in one process.
+
+    vlgrpo bench --config configs/bench_h200.yaml --out benchmarks/results/bench_h200.json
+
+The config is an experiment config (configs/bench_*.yaml: rollout 32 x 4, every response exactly
+max_response_length tokens, 2 mini-batch updates). The model folder's weights are used if it holds
+any, else random ones (seeded) in model.dtype, built on the device from its config.json. Filtered
+splits are made with data.filter_split where missing. In order, on the same weights:
+  1. --warmup then --steps steps of GRPOTrainer.step with the config as given (the optimized path);
+  2. greedy decoding of a few prompts by the config's engine and by the hf engine (same tokens?);
+  3. the evaluator's generation over the whole validation split (evaluate.evaluate, 601 items on
+     Geometry3K's test split);
+  4. --plain-steps steps with every speed switch off (PLAIN), starting at the first measured step
+     so that both paths see the same prompts.
+Prints one table and writes the JSON. Step FLOPs are what a step needs (step_flops), so MFU is
+comparable between the paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from vlgrpo import config as config_lib
+from vlgrpo import evaluate, paths
+from vlgrpo.cli import parse_assignment
+from vlgrpo.batch import PromptBatch
+from vlgrpo.data import encode_prompts, filter_split, load_filtered
+from vlgrpo.policy import DTYPES, load_model, resolve_device
+from vlgrpo.rollout import SamplingParams, make_engine
+from vlgrpo.trainer import GRPOTrainer
+
+log = logging.getLogger("vlgrpo.bench")
+
+# The plain path: the seed recipe's model and micro-batch settings, every speed switch at its default.
+PLAIN = {
+    "model": {"gradient_checkpointing": True, "packed_vision_attention": False},
+    "worker": {
+        "actor": {"micro_batch_size_per_device_for_update": 1, "micro_batch_size_per_device_for_experience": 1,
+                  "dynamic_batching": False, "prefix_sharing": False, "logprobs_chunk_size": 0},
+        "rollout": {"engine": "hf"},
+    },
+}
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense bf16, SXM datasheets
+PHASES = ("gen", "reward", "old", "ref", "adv", "update_actor")
+TARGETS = {"step_s": 15.0, "eval_s": 30.0}  # issue 7, on one H200 (printed for H200 runs only)
+
+
+def base_model(cfg: dict, device: torch.device):
+    """(model, 'loaded' | 'random'): the folder's weights, or random ones from its config."""
+    folder = Path(cfg["model"]["path"])
+    if any(folder.glob("*.safetensors")) or any(folder.glob("*.bin")):
+        return load_model(folder, cfg["model"], device, trainable=True), "loaded"
+    torch.manual_seed(cfg["seed"])
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(
+            AutoConfig.from_pretrained(folder), dtype=DTYPES[cfg["model"]["dtype"]],
+            attn_implementation=cfg["model"]["attn_implementation"],
+        )
+    return model, "random"
+
+
+def ensure_filtered(cfg: dict) -> None:
+    exp = config_lib.experiment_dir(cfg)
+    for split in ("train", "val"):
+        out = paths.path(paths.FILTERED, exp, split=split)
+        if not out.is_file():
+            filter_split(cfg, split, out, paths.path(paths.STATS, exp, split=split))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype) -> float:
+    """Measured dense matmul rate (TFLOP/s): 8192^3 on a GPU, 1024^3 on a CPU, random operands."""
+    n = 8192 if device.type == "cuda" else 1024
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    sync(device)
+    start, reps = time.perf_counter(), 10
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - start) / 1e12
+
+
+def forward_flops(model_config, prompt_tokens: list[int], image_patches: list[int], n: int, response_tokens: float) -> float:
+    """Matmul FLOPs of one forward over a step's sequences, each prompt (and image) counted once.
+
+    prompt_tokens, image_patches: per prompt; n samples per prompt; response_tokens: mean per sample.
+    Text: 2 x linear params per token, causal attention 2 x S^2 x heads x head_dim per layer, the LM
+    head on response positions. Vision: 2 x linear params per patch, windowed attention over
+    `window` patches (full attention in fullatt blocks), the 2x2 merger.
+    """
+    t, v = model_config.text_config, model_config.vision_config
+    d = t.hidden_size // t.num_attention_heads
+    text_linear = t.num_hidden_layers * (2 * t.hidden_size * t.num_attention_heads * d
+                                         + 2 * t.hidden_size * t.num_key_value_heads * d + 3 * t.hidden_size * t.intermediate_size)
+    attn = 2 * t.num_hidden_layers * t.num_attention_heads * d  # x S^2 (causal)
+    vision_linear = v.depth * (4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size)
+    window = (v.window_size // v.patch_size) ** 2
+    full_layers = len(v.fullatt_block_indexes)
+    merger = 4 * v.hidden_size * (4 * v.hidden_size + v.out_hidden_size) / 4  # params per patch
+    total = 0.0
+    for p, patches in zip(prompt_tokens, image_patches):
+        r = response_tokens
+        prompt = 2 * text_linear * p + attn * p * p
+        responses = n * (2 * text_linear * r + attn * (2 * p * r + r * r) + 2 * t.hidden_size * t.vocab_size * r)
+        vision = (2 * (vision_linear + merger) * patches
+                  + 4 * v.hidden_size * patches * ((v.depth - full_layers) * window + full_layers * patches))
+        total += prompt + responses + vision
+    return total
+
+
+def step_flops(trainer: GRPOTrainer, step: int, response_tokens: float) -> float:
+    """FLOPs a GRPO step needs: forwards for generation, old and ref log-probs, 3 per update epoch."""
+    cfg = trainer.cfg
+    rows = [trainer.rows[i] for i in trainer.batch_indices(step)]
+    enc = encode_prompts(trainer.processor, rows)
+    prompt_tokens = enc["attention_mask"].sum(-1).tolist()
+    patches, first = enc["image_grid_thw"].prod(-1).tolist(), [0]
+    for r in rows:
+        first.append(first[-1] + len(r["images"]))
+    per_row = [sum(patches[first[k] : first[k + 1]]) for k in range(len(rows))]
+    forwards = 2 + (trainer.ref is not None) + 3 * cfg["worker"]["actor"]["ppo_epochs"]
+    model_config = trainer.policy.config
+    return forwards * forward_flops(model_config, prompt_tokens, per_row, cfg["worker"]["rollout"]["n"], response_tokens)
+
+
+def run_steps(trainer: GRPOTrainer, steps: range, device: torch.device, peak_tflops: float) -> dict:
+    """Run `steps`; per-phase medians, step wall time (synchronised), throughput, MFU, peak memory."""
+    records, walls, flops = [], [], []
+    for step in steps:
+        sync(device)
+        start = time.perf_counter()
+        record = trainer.step(step)
+        sync(device)
+        walls.append(time.perf_counter() - start)
+        records.append(record)
+        flops.append(step_flops(trainer, step, record["response_length/mean"]))
+        log.info("step %d: %.2f s %s", step, walls[-1], {p: round(record.get(f"timing_s/{p}", 0.0), 2) for p in PHASES})
+    step_s = statistics.median(walls)
+    tokens = statistics.median(r["perf/total_num_tokens"] for r in records)
+    out = {
+        "steps": list(steps),
+        "step_s": step_s,
+        "steps_s": walls,
+        "phase_s": {p: statistics.median(r.get(f"timing_s/{p}", 0.0) for r in records) for p in PHASES},
+        "tokens_per_step": tokens,
+        "tokens_per_s_per_gpu": tokens / step_s,
+        "flops_per_step": statistics.median(flops),
+        "mfu": statistics.median(flops) / step_s / (peak_tflops * 1e12),
+        "response_length_mean": statistics.median(r["response_length/mean"] for r in records),
+        "pg_loss": [r["actor/pg_loss"] for r in records],
+    }
+    if device.type == "cuda":
+        out["peak_memory_allocated_gb"] = max(r["perf/max_memory_allocated_gb"] for r in records)
+        out["peak_memory_reserved_gb"] = max(r["perf/max_memory_reserved_gb"] for r in records)
+    else:
+        out["peak_memory_allocated_gb"] = out["peak_memory_reserved_gb"] = None  # not tracked on a CPU
+    return out
+
+
+def greedy_check(trainer: GRPOTrainer, prompts_count: int = 4, tokens: int = 64) -> dict:
+    """Greedy tokens of the configured engine against the hf engine on the same weights."""
+    rows = trainer.rows[:prompts_count]
+    prompts = PromptBatch.from_processor(encode_prompts(trainer.processor, rows), [len(r["images"]) for r in rows]).repeat_interleave(2)
+    keys, params = torch.arange(len(prompts)), SamplingParams(0.0, 1.0, tokens, ignore_eos=True)
+    fast = trainer.engine.generate(prompts, keys, params, batch_size=len(prompts)).responses
+    plain = make_engine("hf", trainer.policy, trainer.processor).generate(prompts, keys, params, batch_size=len(prompts)).responses
+    same = fast == plain
+    first = [int((~row).nonzero()[0]) if not row.all() else tokens for row in same]
+    return {"rows": len(prompts), "tokens": tokens, "identical_rows": int(same.all(-1).sum()),
+            "identical_tokens_fraction": same.float().mean().item(), "first_divergence": first}
+
+
+def eval_time(cfg: dict, model) -> dict:
+    start = time.perf_counter()
+    record = evaluate.evaluate(cfg, 0, model=model)
+    return {"items": len(load_filtered(paths.path(paths.FILTERED, config_lib.experiment_dir(cfg), split="val"))),
+            "eval_s": time.perf_counter() - start, "generate_s": record["timing_s/generation"],
+            "tokens_per_s": record["val/tokens_per_s"], "response_length_mean": record["val_response_length/mean"]}
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def table(result: dict) -> str:
+    fast, plain = result, result.get("plain")
+
+    def row(name, key, fmt, sub=None):
+        get = (lambda r: r[sub][key]) if sub else (lambda r: r[key])
+        a = get(fast)
+        b = get(plain) if plain else None
+        ratio = f"{b / a:8.2f}x" if (b is not None and a) else ""
+        fa = format(a, fmt) if a is not None else "-"
+        fb = format(b, fmt) if b is not None else "-"
+        return f"{name:<28}{fa:>12}{fb:>12}{ratio:>10}"
+
+    lines = [f"{'':<28}{'optimized':>12}{'plain':>12}{'plain/opt':>10}"]
+    lines += [row(f"{p} s", p, ".2f", "phase_s") for p in PHASES]
+    lines += [row("step s", "step_s", ".2f"), row("tokens/s/GPU", "tokens_per_s_per_gpu", ".0f"), row("MFU", "mfu", ".3f"),
+              row("peak memory allocated GB", "peak_memory_allocated_gb", ".1f"),
+              row("peak memory reserved GB", "peak_memory_reserved_gb", ".1f")]
+    h200 = "H200" in result["device"]
+    if "eval" in result:
+        e = result["eval"]
+        lines.append(f"eval {e['items']} items: {e['eval_s']:.1f} s (generation {e['generate_s']:.1f} s)"
+                     + (f", target {TARGETS['eval_s']:.0f} s" if h200 else ""))
+    if plain:
+        lines.append(f"step {result['step_s']:.2f} s" + (f" (target {TARGETS['step_s']:.0f} s)" if h200 else "")
+                     + f", speed-up {result['speedup']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="vlgrpo bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="an experiment config, e.g. configs/bench_h200.yaml")
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/<experiment>.json)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--plain-steps", type=int, default=1, help="0 skips the plain path")
+    parser.add_argument("--eval", action=argparse.BooleanOptionalAction, default=True, help="time the evaluator")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    args = parser.parse_args(argv)
+    overrides: dict = {}
+    for item in args.set:
+        overrides = config_lib.deep_merge(overrides, parse_assignment(item))
+    cfg = config_lib.load(args.config, overrides=overrides)
+    out_path = Path(args.out or f"benchmarks/results/{cfg['experiment']}.json")
+    device = resolve_device(cfg["trainer"]["device"])
+    ensure_filtered(cfg)
+    model, weights = base_model(cfg, device)
+    dtype = DTYPES[cfg["model"]["dtype"]]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
+    measured = matmul_tflops(device, dtype)
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    result = {
+        "device": name,
+        "config": str(args.config),
+        "weights": weights,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "rollout": {k: cfg["worker"]["rollout"][k] for k in ("batch_size", "n", "engine", "ignore_eos")}
+        | {"max_response_length": cfg["data"]["max_response_length"]},
+        "matmul_tflops": measured,
+        "peak_tflops": peak or measured,
+        "peak_source": "datasheet" if peak else "measured matmul",
+        "targets": TARGETS,
+    }
+
+    def write():
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=1) + "\n")
+
+    trainer = GRPOTrainer(cfg)
+    trainer.load(0, base=model)
+    first = args.warmup + 1
+    for step in range(1, first):
+        trainer.step(step)
+    result.update(run_steps(trainer, range(first, first + args.steps), device, result["peak_tflops"]))
+    write()
+    if cfg["worker"]["rollout"]["engine"] != "hf":
+        result["greedy_vs_hf"] = greedy_check(trainer)
+        write()
+    if args.eval:
+        result["eval"] = eval_time(cfg, trainer.policy)
+        write()
+    trainer = None
+    free(device)
+    if args.plain_steps:
+        plain_cfg = config_lib.validate(config_lib.deep_merge(cfg, PLAIN))
+        trainer = GRPOTrainer(plain_cfg)
+        trainer.load(0, base=model)
+        plain = run_steps(trainer, range(first, first + args.plain_steps), device, result["peak_tflops"])
+        result["plain"] = plain
+        result["plain_step_s"] = plain["step_s"]
+        result["speedup"] = plain["step_s"] / result["step_s"]
+        trainer = None
+        free(device)
+    write()
+    print(table(result), flush=True)
+    print(f"wrote {out_path}")
+    return result

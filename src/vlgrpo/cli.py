@@ -27,20 +27,15 @@ import yaml
 
 from vlgrpo import config as config_lib
 from vlgrpo import paths
+from vlgrpo.errors import VlgrpoError
 
 
 def parse_assignment(text: str) -> dict:
-    """'a.b.c=value' -> {'a': {'b': {'c': value}}}, the value parsed as YAML (numbers, lists, null)."""
+    """'a.b.c=value' -> {'a.b.c': value}, the value parsed as YAML (numbers, lists, null)."""
     if "=" not in text:
         raise config_lib.ConfigError(f"--set expects key=value, got {text!r}")
     key, value = text.split("=", 1)
-    out: dict = {}
-    node = out
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = yaml.safe_load(value)
-    return out
+    return config_lib.expand_dotted({key: yaml.safe_load(value)})
 
 
 def cmd_resolve(args) -> None:
@@ -162,7 +157,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     try:
         args.func(args)
-    except config_lib.ConfigError as e:
+    except (VlgrpoError, FileNotFoundError) as e:
         sys.exit(f"vlgrpo {args.command}: {e}")
 
 

@@ -39,7 +39,8 @@ from vlgrpo import grpo, paths, plan
 from vlgrpo.batch import PromptBatch
 from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
 from vlgrpo.data import encode_prompts, load_filtered, load_processor
-from vlgrpo.policy import load_model, resolve_device, response_logprobs
+from vlgrpo.errors import VlgrpoError
+from vlgrpo.policy import ForwardOptions, load_model, micro_batches, prepare_model, resolve_device, response_logprobs
 from vlgrpo.rewards import load_reward_function, score_responses
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.sampling import sample_key
@@ -48,7 +49,7 @@ from vlgrpo.tracking import Tracker, read_metrics
 log = logging.getLogger("vlgrpo.trainer")
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(VlgrpoError, RuntimeError):
     pass
 
 

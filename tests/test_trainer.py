@@ -41,7 +41,10 @@ def test_generation_logprobs_equal_training_forward(trainer):
     prompts = prompts.repeat_interleave(2)
     keys = torch.tensor([sample_key(1, 1, i) for i in range(len(prompts))])
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=24)
+    # As in Qwen2.5-VL-3B's generation_config.json: must not leak into rollout sampling.
+    trainer.policy.generation_config.repetition_penalty = 1.05
     out = trainer.engine.generate(prompts, keys, params, batch_size=len(prompts))
+    trainer.policy.generation_config.repetition_penalty = 1.0
     forward = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0)
     mask = out.response_mask.bool()
     assert mask.sum() > 20

@@ -87,6 +87,9 @@ class HFEngine:
             eos_token_id=None if params.ignore_eos else self.eos_ids,
             pad_token_id=self.pad_id,
             use_cache=True,
+            # generate fills unset options from the model's generation_config.json (Qwen2.5-VL's sets
+            # repetition_penalty 1.05): the sampler must see the raw logits the training forward sees.
+            repetition_penalty=1.0,
         )
         with tqdm(total=params.max_tokens, desc="generate", leave=False, disable=not progress) as bar:
             sampler = _KeyedSampler(keys, prompt_len, params, self.banned.to(keys.device), bar)

@@ -17,6 +17,7 @@ Speed switches (ForwardOptions, all off by default and none changes the result b
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,15 +158,23 @@ class Prefix:
     attention_mask: torch.Tensor  # (U, P)
 
 
+def _cache_kwarg(module) -> str:
+    """The name a forward takes its KV cache by: `cache` (transformers 5.24) or `past_key_values` (5.17)."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 def prefix_forward(model, prompts: PromptBatch) -> Prefix:
     """The model's own forward over `prompts` (on the model's device) with a cache."""
     out = model.model(**prompts.model_inputs(), use_cache=True)
+    cache = getattr(out, "cache", None)  # transformers 5.24; 5.17 names it past_key_values
+    cache = out.past_key_values if cache is None else cache
     width = prompts.input_ids.shape[1]
     if prompts.image_grid_thw is None:  # text only: 1-D positions run over the padding
         next_position = torch.full((len(prompts),), width, device=prompts.input_ids.device)
-    else:  # text after the prompt continues from its largest 3-D position (rope_deltas + valid length)
-        next_position = out.rope_deltas.view(-1) + prompts.attention_mask.sum(-1)
-    return Prefix(out.last_hidden_state[:, -1], out.past_key_values, next_position, prompts.attention_mask)
+    else:  # text after the prompt continues from its largest 3-D position (rope_deltas + valid length);
+        # the model keeps the deltas of its last forward (5.24 outputs no longer carry them)
+        next_position = model.model.rope_deltas.view(-1) + prompts.attention_mask.sum(-1)
+    return Prefix(out.last_hidden_state[:, -1], cache, next_position, prompts.attention_mask)
 
 
 def _shared_prefix_hidden(model, prompts: PromptBatch, responses, response_mask) -> torch.Tensor:
@@ -179,9 +188,10 @@ def _shared_prefix_hidden(model, prompts: PromptBatch, responses, response_mask)
         cache.update(layer.keys.index_select(0, source), layer.values.index_select(0, source), i)
     mask = torch.cat([prefix.attention_mask.index_select(0, source), response_mask], dim=1)
     positions = prefix.next_position.index_select(0, source)[:, None] + torch.arange(responses.shape[1], device=responses.device)
-    out = model.model.language_model(
+    lm = model.model.language_model
+    out = lm(
         input_ids=responses, attention_mask=mask, position_ids=positions[None].expand(3, -1, -1),
-        past_key_values=cache, use_cache=True,
+        use_cache=True, **{_cache_kwarg(lm): cache},
     )
     return torch.cat([prefix.last_hidden.index_select(0, source)[:, None], out.last_hidden_state[:, :-1]], dim=1)
 

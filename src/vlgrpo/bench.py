@@ -239,6 +239,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--eval", action=argparse.BooleanOptionalAction, default=True, help="time the evaluator")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     args = parser.parse_args(argv)
+    logging.getLogger("vlgrpo.trainer").setLevel(logging.DEBUG)  # each phase's seconds as it ends
     overrides: dict = {}
     for item in args.set:
         overrides = config_lib.deep_merge(overrides, parse_assignment(item))

@@ -63,6 +63,7 @@ def timer(timing: dict, name: str):
     start = time.perf_counter()
     yield
     timing[name] = time.perf_counter() - start
+    log.debug("%s: %.2f s", name, timing[name])  # the benchmark shows these as they happen
 
 
 class Heartbeat:

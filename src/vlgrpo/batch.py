@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+PIN_LIMIT = 1 << 28  # bytes: larger tensors (a whole evaluation's images) are copied the plain way
+
 
 @dataclass
 class PromptBatch:
@@ -72,12 +74,23 @@ class PromptBatch:
         return self.select(torch.arange(len(self)).repeat_interleave(n))
 
     def to(self, device, dtype: torch.dtype | None = None) -> "PromptBatch":
-        """Move to `device`; pixel values also take the model's dtype."""
+        """Move to `device`; pixel values also take the model's dtype.
+
+        From the CPU to a GPU, tensors up to PIN_LIMIT bytes are queued without waiting for the GPU
+        (through pinned memory; pixel values cast on the GPU), so a caller does not stall its queue.
+        """
+        device = torch.device(device)
+        to_gpu = device.type == "cuda"
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None:
-                value = value.to(device, dtype=dtype) if f.name == "pixel_values" and dtype else value.to(device)
+                cast = dtype if f.name == "pixel_values" and dtype else None
+                if to_gpu and value.device.type == "cpu" and value.nbytes <= PIN_LIMIT:
+                    value = value.pin_memory().to(device, non_blocking=True)
+                    value = value.to(cast) if cast is not None else value
+                else:
+                    value = value.to(device, dtype=cast) if cast is not None else value.to(device)
             moved[f.name] = value
         return replace(self, **moved)
 

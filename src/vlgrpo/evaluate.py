@@ -11,9 +11,11 @@ Launch: `vlgrpo evaluate --config results/<exp>/config.resolved.yaml --step N`.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -24,7 +26,7 @@ from vlgrpo.batch import PromptBatch
 from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
 from vlgrpo.data import encode_prompts, load_filtered, load_processor
 from vlgrpo.policy import load_model, resolve_device
-from vlgrpo.rewards import load_reward_function, score_responses
+from vlgrpo.rewards import Grading, load_reward_function
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.sampling import sample_key
 
@@ -45,6 +47,32 @@ def _length_stats(prefix: str, lengths: torch.Tensor, limit: int) -> dict:
         f"{prefix}/min": lengths.min().item(),
         f"{prefix}/clip_ratio": (lengths == limit).float().mean().item(),
     }
+
+
+def encode_in_parallel(processor, rows: list[dict], workers: int | None = None) -> dict:
+    """encode_prompts(processor, rows), the rows split into chunks encoded on several threads.
+
+    The chunks are left-padded to the longest prompt and joined: the same tensors as one call.
+    """
+    workers = min(8, os.cpu_count() or 1) if workers is None else workers
+    if workers < 2 or len(rows) < 2 * workers:
+        return encode_prompts(processor, rows)
+    size = -(-len(rows) // workers)
+    starts = range(0, len(rows), size)
+    copies = [copy.deepcopy(processor) for _ in starts]  # one each: a tokenizer's padding state is not thread-safe
+    with ThreadPoolExecutor(len(copies)) as pool:
+        parts = list(pool.map(lambda k: encode_prompts(copies[k], rows[starts[k] : starts[k] + size]), range(len(copies))))
+    width = max(p["input_ids"].shape[1] for p in parts)
+    pads = {"input_ids": processor.tokenizer.pad_token_id, "attention_mask": 0, "mm_token_type_ids": 0}
+    out = {}
+    for key in parts[0].keys():
+        if key in pads:
+            out[key] = torch.cat([torch.nn.functional.pad(p[key], (width - p[key].shape[1], 0), value=pads[key]) for p in parts])
+        elif key in ("pixel_values", "image_grid_thw"):
+            out[key] = torch.cat([p[key] for p in parts])
+        else:
+            raise KeyError(f"encode_in_parallel does not know how to join the processor output {key!r}")
+    return out
 
 
 def model_path_for(cfg: dict, step: int) -> str:
@@ -79,7 +107,7 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))
 
     n = val["n"]
-    enc = encode_prompts(processor, rows)
+    enc = encode_in_parallel(processor, rows)
     prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(n)
     keys = torch.tensor([sample_key(cfg["seed"], VAL_STREAM, r["index"], j) for r in rows for j in range(n)])
     params = SamplingParams(val["temperature"], val["top_p"], data["max_response_length"])
@@ -88,7 +116,7 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     out = engine.generate(prompts, keys, params, batch_size=batch, progress=True)
     gen_s = time.perf_counter() - gen_start
     answers = [r["answer"] for r in rows for _ in range(n)]
-    scores, errors = score_responses(reward_fn, out.texts, answers)
+    scores, errors = Grading(reward_fn, out.texts, answers).result()  # on several CPU cores where there are
 
     def mean(key):
         return sum(s[key] for s in scores) / len(scores)

@@ -177,11 +177,12 @@ def prefix_forward(model, prompts: PromptBatch) -> Prefix:
     return Prefix(out.last_hidden_state[:, -1], cache, next_position, prompts.attention_mask)
 
 
-def _shared_prefix_hidden(model, prompts: PromptBatch, responses, response_mask) -> torch.Tensor:
-    """Hidden states that predict each response token, each distinct prompt encoded once. -> (N, R, H)"""
-    first, source = prompt_runs(prompts)
-    source = source.to(responses.device)
-    prefix = prefix_forward(model, prompts.select(first))
+def _shared_prefix_hidden(model, unique: PromptBatch, source, responses, response_mask) -> torch.Tensor:
+    """Hidden states that predict each response token, each distinct prompt encoded once. -> (N, R, H)
+
+    unique: the U distinct prompts (on the model's device); source: (N,) each row's prompt in it.
+    """
+    prefix = prefix_forward(model, unique)
     cache = DynamicCache(config=model.config)
     for i in range(len(model.model.language_model.layers)):
         layer = prefix.cache.layers[i]
@@ -237,11 +238,13 @@ def response_logprobs(
     """
     device, full_width = model.device, responses.shape[1]
     width = int(response_mask.sum(-1).max())  # trailing all-padding columns are not computed
-    responses, response_mask = responses[:, :width].to(device), response_mask[:, :width].to(device)
-    prompts = prompts.to(device, model.dtype)
-    if options.prefix_sharing:
-        hidden = _shared_prefix_hidden(model, prompts, responses, response_mask)
+    responses, response_mask = _to(responses[:, :width], device), _to(response_mask[:, :width], device)
+    if options.prefix_sharing:  # runs found where the prompts are (the CPU): only distinct prompts travel
+        first, source = prompt_runs(prompts)
+        unique = prompts.select(first).to(device, model.dtype)
+        hidden = _shared_prefix_hidden(model, unique, _to(source, device), responses, response_mask)
     else:
+        prompts = prompts.to(device, model.dtype)
         inputs = prompts.model_inputs()
         inputs["input_ids"] = torch.cat([inputs["input_ids"], responses], dim=1)
         inputs["attention_mask"] = torch.cat([inputs["attention_mask"], response_mask], dim=1)
@@ -252,6 +255,15 @@ def response_logprobs(
         hidden = model.model(**inputs, use_cache=False).last_hidden_state[:, -(width + 1) : -1]  # (N, R, H)
     logp = token_logprobs(model.lm_head, hidden, responses, temperature, options.logprobs_chunk_size) * response_mask
     return F.pad(logp, (0, full_width - width))
+
+
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; from the CPU to a GPU without waiting for the GPU's queue."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def micro_batches(prompts: PromptBatch, response_mask: torch.Tensor, rows: list[int], size: int, dynamic: bool) -> list[list[int]]:

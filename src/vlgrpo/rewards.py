@@ -15,8 +15,12 @@ import functools
 import importlib.util
 import inspect
 import logging
+import multiprocessing
+import os
+import pickle
 import re
 from collections.abc import Callable, Mapping
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from mathruler.grader import extract_boxed_content, grade_answer
@@ -124,17 +128,8 @@ def _checked(result: object) -> dict[str, float]:
     return {str(k): float(v) for k, v in result.items()}
 
 
-def score_responses(
-    fn: RewardFunction, responses: list[str], ground_truths: list[str]
-) -> tuple[list[dict[str, float]], int]:
-    """Score each response against its ground truth; a failing response scores 0 and is counted.
-
-    Returns (scores, n_failed): one dict per response, all with the same keys. A call that raises
-    or returns something other than a dict with the REWARD_KEYS scores 0.0 for every key, so one bad
-    response never stops training; the first failure is logged once per call, with its traceback.
-    """
-    if len(responses) != len(ground_truths):
-        raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+def _grade(fn: RewardFunction, responses: list[str], ground_truths: list[str]):
+    """(results, first_error): each response's checked scores, or None where the call failed."""
     results: list[dict[str, float] | None] = []
     first_error: Exception | None = None
     for response, ground_truth in zip(responses, ground_truths):
@@ -143,6 +138,20 @@ def score_responses(
         except Exception as error:
             results.append(None)
             first_error = first_error or error
+    return results, first_error
+
+
+def _grade_in_worker(fn: RewardFunction, responses: list[str], ground_truths: list[str]):
+    results, first_error = _grade(fn, responses, ground_truths)
+    if first_error is not None:
+        try:
+            pickle.dumps(first_error)
+        except Exception:
+            first_error = RuntimeError(repr(first_error))
+    return results, first_error
+
+
+def _assemble(results: list, first_error: Exception | None) -> tuple[list[dict[str, float]], int]:
     n_failed = sum(r is None for r in results)
     if n_failed:
         log.warning(
@@ -154,3 +163,65 @@ def score_responses(
         keys.update(dict.fromkeys(r or ()))
     zeros = dict.fromkeys(keys, 0.0)
     return [r if r is not None else dict(zeros) for r in results], n_failed
+
+
+def score_responses(
+    fn: RewardFunction, responses: list[str], ground_truths: list[str]
+) -> tuple[list[dict[str, float]], int]:
+    """Score each response against its ground truth; a failing response scores 0 and is counted.
+
+    Returns (scores, n_failed): one dict per response, all with the same keys. A call that raises
+    or returns something other than a dict with the REWARD_KEYS scores 0.0 for every key, so one bad
+    response never stops training; the first failure is logged once per call, with its traceback.
+    """
+    if len(responses) != len(ground_truths):
+        raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+    return _assemble(*_grade(fn, responses, ground_truths))
+
+
+def default_workers() -> int:
+    """Grading processes: one per spare CPU core, at most 8; 0 (grade in this process) on small hosts."""
+    spare = min(8, (os.cpu_count() or 1) - 1)
+    return spare if spare >= 2 else 0
+
+
+_POOLS: dict[int, ProcessPoolExecutor] = {}
+
+
+def _pool(workers: int) -> ProcessPoolExecutor:
+    if workers not in _POOLS:  # spawned: no copy of this process's CUDA state or threads
+        _POOLS[workers] = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    return _POOLS[workers]
+
+
+class Grading:
+    """score_responses running in the background; result() gives exactly what score_responses gives."""
+
+    def __init__(self, fn: RewardFunction, responses: list[str], ground_truths: list[str], workers: int | None = None):
+        if len(responses) != len(ground_truths):
+            raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+        self.fn, self.responses, self.ground_truths = fn, responses, ground_truths
+        workers = default_workers() if workers is None else workers
+        self.futures = None
+        if workers >= 2 and len(responses) > 1:
+            try:
+                pickle.dumps(fn)  # a user function loaded from a file path may not travel
+            except Exception:
+                workers = 0
+        if workers >= 2 and len(responses) > 1:
+            size = -(-len(responses) // (2 * workers))  # contiguous chunks, in order
+            pool = _pool(workers)
+            self.futures = [
+                pool.submit(_grade_in_worker, fn, responses[i : i + size], ground_truths[i : i + size])
+                for i in range(0, len(responses), size)
+            ]
+
+    def result(self) -> tuple[list[dict[str, float]], int]:
+        if self.futures is None:
+            return score_responses(self.fn, self.responses, self.ground_truths)
+        results, first_error = [], None
+        for future in self.futures:
+            part, error = future.result()
+            results += part
+            first_error = first_error or error
+        return _assemble(results, first_error)

@@ -40,8 +40,8 @@ from vlgrpo.batch import PromptBatch
 from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
 from vlgrpo.data import encode_prompts, load_filtered, load_processor
 from vlgrpo.errors import VlgrpoError
-from vlgrpo.policy import ForwardOptions, load_model, micro_batches, prepare_model, resolve_device, response_logprobs
-from vlgrpo.rewards import load_reward_function, score_responses
+from vlgrpo.policy import ForwardOptions, _to, load_model, micro_batches, prepare_model, resolve_device, response_logprobs
+from vlgrpo.rewards import Grading, load_reward_function
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.sampling import sample_key
 from vlgrpo.tracking import Tracker, read_metrics
@@ -99,11 +99,13 @@ class Faults:
 
 def build_optimizer(cfg: dict, model) -> torch.optim.Optimizer:
     optim = cfg["worker"]["actor"]["optim"]
+    params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
+        params,
         lr=optim["lr"],
         betas=tuple(optim["betas"]),
         weight_decay=optim["weight_decay"],
+        fused=bool(params) and params[0].device.type == "cuda",  # one kernel for all parameters
     )
 
 
@@ -188,14 +190,13 @@ class GRPOTrainer:
 
     def _logprobs(self, model, prompts: PromptBatch, responses, mask, micro: int) -> torch.Tensor:
         temperature = self.cfg["worker"]["rollout"]["temperature"]
-        out = torch.zeros(responses.shape, dtype=torch.float32)
+        out = torch.zeros(responses.shape, dtype=torch.float32, device=model.device)  # one copy back, at the end
         with torch.no_grad():
             for rows in self._micro_batches(prompts, mask, list(range(len(prompts))), micro):
-                out[rows] = response_logprobs(
-                    model, prompts.select(rows), responses[rows], mask[rows], temperature, self.forward
-                ).cpu()
+                logp = response_logprobs(model, prompts.select(rows), responses[rows], mask[rows], temperature, self.forward)
+                out.index_copy_(0, _to(torch.tensor(rows), out.device), logp)
                 self.heartbeat.beat()
-        return out
+        return out.cpu()
 
     def step(self, step: int) -> dict:
         cfg, rollout_cfg, actor = self.cfg, self.cfg["worker"]["rollout"], self.cfg["worker"]["actor"]
@@ -218,10 +219,10 @@ class GRPOTrainer:
             )
             out = self.engine.generate(prompts, keys, params, batch_size=len(prompts))
         self.heartbeat.beat()
-        with timer(timing, "reward"):
-            answers = [r["answer"] for r in rows for _ in range(n)]
-            scores, reward_errors = score_responses(self.reward_fn, out.texts, answers)
-            overall = torch.tensor([s["overall"] for s in scores], dtype=torch.float32)
+        # Grading runs on other CPU cores while old and ref run; `reward` is the time the step waits for it.
+        reward_start = time.perf_counter()
+        grading = Grading(self.reward_fn, out.texts, [r["answer"] for r in rows for _ in range(n)])
+        reward_s = time.perf_counter() - reward_start
         micro = actor["micro_batch_size_per_device_for_experience"]
         with timer(timing, "old"):
             old_logp = self._logprobs(self.policy, prompts, out.responses, out.response_mask, micro)
@@ -229,6 +230,10 @@ class GRPOTrainer:
         if self.ref is not None:
             with timer(timing, "ref"):
                 ref_logp = self._logprobs(self.ref, prompts, out.responses, out.response_mask, micro)
+        with timer(timing, "reward"):
+            scores, reward_errors = grading.result()
+            overall = torch.tensor([s["overall"] for s in scores], dtype=torch.float32)
+        timing["reward"] += reward_s
         with timer(timing, "adv"):
             advantages = grpo.grpo_advantages(overall, n)
         with timer(timing, "update_actor"):
@@ -276,6 +281,10 @@ class GRPOTrainer:
             group["lr"] = lr
         params = [p for p in self.policy.parameters() if p.requires_grad]
         sums, updates, skipped = defaultdict(float), 0, 0
+        # The step's tensors go to the device once; metrics stay there until the end (no wait per micro-batch).
+        dev = self.policy.device
+        old_d, adv_d, mask_d = _to(old_logp, dev), _to(advantages, dev), _to(out.response_mask, dev)
+        ref_d = None if ref_logp is None else _to(ref_logp, dev)
         self.policy.train()
         for _ in range(actor["ppo_epochs"]):
             for start in range(0, len(prompts), mini):
@@ -287,16 +296,16 @@ class GRPOTrainer:
                     logp = response_logprobs(
                         self.policy, prompts.select(rows), out.responses[rows], out.response_mask[rows], temperature, self.forward
                     )
-                    dev = logp.device
-                    rmask = out.response_mask[rows].float().to(dev)
+                    index = _to(torch.tensor(rows), dev)
+                    rmask = mask_d.index_select(0, index).float()
                     loss, metrics = grpo.policy_loss(
-                        logp, old_logp[rows].to(dev), advantages[rows].to(dev), rmask,
+                        logp, old_d.index_select(0, index), adv_d.index_select(0, index), rmask,
                         actor["clip_ratio_low"], actor["clip_ratio_high"], actor["clip_ratio_dual"],
                         mode, denominator,
                     )
                     if ref_logp is not None:
                         kl = grpo.aggregate(
-                            grpo.kl_penalty(logp, ref_logp[rows].to(dev), algorithm["kl_type"]), rmask, mode, denominator
+                            grpo.kl_penalty(logp, ref_d.index_select(0, index), algorithm["kl_type"]), rmask, mode, denominator
                         )
                         loss = loss + algorithm["kl_coef"] * kl
                         metrics["kl_loss"] = kl.detach()
@@ -304,7 +313,7 @@ class GRPOTrainer:
                         loss = loss * float("nan")
                     loss.backward()
                     for key, value in metrics.items():
-                        sums[key] += float(value)
+                        sums[key] = sums[key] + (value.detach().double() if torch.is_tensor(value) else float(value))
                     self.heartbeat.beat()
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, actor["max_grad_norm"]))
                 sums["grad_norm"] += grad_norm
@@ -324,6 +333,7 @@ class GRPOTrainer:
                         )
         self.policy.eval()
         # Micro-batch metrics were normalised by the mini-batch: their sum is the mini-batch value.
+        sums = {k: float(v) for k, v in sums.items()}  # one wait for the device, here
         record = {f"actor/{k}": v / updates for k, v in sums.items()}
         record.update({"actor/lr": lr, "actor/kl_coef": algorithm["kl_coef"] if ref_logp is not None else 0.0})
         record["actor/nonfinite_skipped"] = skipped

@@ -37,10 +37,24 @@ def uniform_noise(keys: torch.Tensor, position: int | torch.Tensor, vocab_size: 
     keys: (N,) int64 row keys; position: an int or a (1,) int64 tensor on keys' device (the static
     engine keeps it there); returns (N, V) float32 that depends only on (key, position, token).
     """
-    row = _mix32(keys.to(torch.int64) * 31 + position * _M3)[:, None]  # (N, 1)
-    tok = _mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64) + _M1)[None, :]  # (1, V)
-    h = _mix32(row ^ tok)  # (N, V)
-    return ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+    row = _as_int32(_mix32(keys.to(torch.int64) * 31 + position * _M3))[:, None]  # (N, 1)
+    tok = _as_int32(_mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64) + _M1))[None, :]  # (1, V)
+    h = _mix32_int32(row ^ tok)  # (N, V): the same 32 bits as _mix32 in int64, half the memory traffic
+    return (((h >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) / float(1 << 24)
+
+
+def _as_int32(x: torch.Tensor) -> torch.Tensor:
+    """32-bit values held in int64 (0 .. 2**32 - 1) -> the same bits in int32."""
+    return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
+
+
+def _mix32_int32(x: torch.Tensor) -> torch.Tensor:
+    """_mix32 on int32 bit patterns: logical shifts by masking, products wrap mod 2**32 as in _mix32."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _M1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _M2
+    return x ^ ((x >> 16) & 0xFFFF)
 
 
 def top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:

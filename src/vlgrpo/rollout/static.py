@@ -142,17 +142,30 @@ class StaticEngine(HFEngine):
         return self._decoder
 
     def _prefill(self, sub: PromptBatch, dec: _Decoder) -> torch.Tensor:
-        """Encode each distinct prompt once into the decoder's cache; returns (rows, V) last logits."""
+        """Encode each distinct prompt once into the decoder's cache; returns (rows, V) last logits.
+
+        Distinct prompts go through the model shortest first, in forwards of at most PREFILL_TOKENS
+        padded tokens, each forward padded only to its own longest prompt (not to the batch's).
+        """
         first, source = prompt_runs(sub)
         source = source.to(sub.input_ids.device)
         width = sub.input_ids.shape[1]
-        per_forward = max(1, PREFILL_TOKENS // width)
+        lengths = sub.attention_mask[first].sum(-1).tolist()
+        order = sorted(range(len(first)), key=lambda u: lengths[u])  # stable: equal lengths keep their order
+        chunks, current = [], []
+        for u in order:  # ascending lengths: a chunk's cost is its size times its last prompt's length
+            if current and (len(current) + 1) * lengths[u] > PREFILL_TOKENS:
+                chunks.append(current)
+                current = []
+            current.append(u)
+        chunks.append(current)
         logits = None
-        for start in range(0, len(first), per_forward):
-            stop = min(start + per_forward, len(first))
-            pre = prefix_forward(self.model, sub.select(first[start:stop]))
-            rows = ((source >= start) & (source < stop)).nonzero().squeeze(1)
-            local = source[rows] - start
+        for chunk in chunks:
+            pre = prefix_forward(self.model, sub.select([first[u] for u in chunk]))
+            local_of = torch.full((len(first),), -1, dtype=torch.long, device=source.device)
+            local_of[torch.tensor(chunk, device=source.device)] = torch.arange(len(chunk), device=source.device)
+            rows = (local_of[source] >= 0).nonzero().squeeze(1)
+            local = local_of[source[rows]]
             cols = slice(width - pre.attention_mask.shape[1], width)  # right-aligned: the last prompt token at width - 1
             for i in range(len(dec.layers)):
                 dec.k[i, rows, :, cols] = pre.cache.layers[i].keys.index_select(0, local)

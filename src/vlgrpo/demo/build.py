@@ -1,4 +1,4 @@
-"""Make the demo's model folder: tokenizer, processor, tiny Qwen2.5-VL, warm-up, save_pretrained.
+"""Make the demo's model folder: tokenizer, processor, tiny Qwen2.5-VL, perception and text warm-ups, save_pretrained.
 
 The folder loads exactly like Qwen/Qwen2.5-VL-3B-Instruct (AutoProcessor,
 AutoModelForImageTextToText), so the trainer, the evaluator and the rollout engine take no
@@ -16,6 +16,7 @@ import numpy as np
 
 from vlgrpo.data import IMAGE_FACTOR, decode_image, render_prompt, resize_image
 from vlgrpo.demo.model import count_parameters, init_model
+from vlgrpo.demo.perception import warm_up_vision
 from vlgrpo.demo.processor import build_processor, build_tokenizer, train_bpe
 from vlgrpo.demo.responses import warmup_response
 from vlgrpo.demo.task import STREAMS, make_rows
@@ -56,7 +57,11 @@ def make_model(cfg: dict, out_dir: Path) -> dict:
         for prompt, row in zip(prompts, figures)
     ]
     model = init_model(demo, processor.tokenizer, seed)
+    perception = warm_up_vision(model, processor, [row["images"][0] for row in rows], demo, rng)
+    # The text warm-up keeps the tower as perception left it: its targets ignore the image.
+    model.model.visual.requires_grad_(False)
     warmup = warm_up(model, processor, rows, demo, template, rng)
+    model.model.visual.requires_grad_(True)
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -71,6 +76,7 @@ def make_model(cfg: dict, out_dir: Path) -> dict:
         "tokenizer_size": len(processor.tokenizer),
         "image_size": [image.width, image.height],
         "image_tokens_per_image": (image.width // IMAGE_FACTOR) * (image.height // IMAGE_FACTOR),
+        "perception_warmup": perception,
         "warmup": warmup,
         "seconds": round(time.perf_counter() - start, 3),
     }

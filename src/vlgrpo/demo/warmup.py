@@ -51,7 +51,7 @@ def warm_up(model, processor, rows: list[dict], demo: dict, template: str, rng: 
     if steps == 0:
         return stats
     prompts = PromptBatch.from_processor(encode_prompts(processor, rows), [len(r["images"]) for r in rows])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=demo["warmup_lr"])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=demo["warmup_lr"])
     # Linear decay to 0: the last steps average over many batches, so the model's format and answer
     # frequencies settle near the targets' instead of echoing the last few batches.
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / steps)

@@ -152,3 +152,16 @@ def test_a_step_logs_easyr1_metrics(trainer):
     assert trainer.batch_indices(1) != trainer.batch_indices(2)
     epoch = [i for s in range(1, trainer.steps_per_epoch + 1) for i in trainer.batch_indices(s)]
     assert len(set(epoch)) == len(epoch)  # an epoch never repeats a row
+
+
+def test_freeze_vision_tower_trains_the_language_model_only(demo_base, tmp_path):
+    cfg = make_experiment(demo_base, tmp_path, {"model": {**demo_base["model"], "freeze_vision_tower": True}})
+    t = GRPOTrainer(cfg)
+    t.load(0)
+    before = {name: p.detach().clone() for name, p in t.policy.named_parameters()}
+    t.step(1)
+    changed = {name for name, p in t.policy.named_parameters() if not torch.equal(p, before[name])}
+    assert changed and not any(".visual." in name for name in changed)
+    assert any(".language_model." in name for name in changed)
+    trained = {id(p) for group in t.optimizer.param_groups for p in group["params"]}
+    assert not any(id(p) in trained for p in t.policy.model.visual.parameters())

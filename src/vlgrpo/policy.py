@@ -94,6 +94,7 @@ def prepare_model(model, model_cfg: dict, device: torch.device, trainable: bool)
             model.config.use_cache = False
         else:
             model.gradient_checkpointing_disable()
+        model.model.visual.requires_grad_(not model_cfg["freeze_vision_tower"])
     else:
         model.requires_grad_(False)
     return model

@@ -14,16 +14,14 @@ No question, count or answer is involved.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 from PIL import Image
 
 from vlgrpo.data import IMAGE_FACTOR
+from vlgrpo.demo.warmup import fit
 
 TARGETS_PER_TOKEN = 6  # R, G, B means and standard deviations, in [0, 1]
-LOSS_WINDOW = 10  # steps averaged for the reported final loss
 
 
 def region_targets(image: Image.Image) -> torch.Tensor:
@@ -63,24 +61,14 @@ def warm_up_vision(model, processor, images: list[Image.Image], demo: dict, rng:
     generator = torch.Generator().manual_seed(int(rng.integers(2**31)))
     head = torch.linalg.qr(torch.randn(width, TARGETS_PER_TOKEN, generator=generator)).Q  # (D, 6), orthonormal columns
     optimizer = torch.optim.AdamW(visual.parameters(), lr=demo["perception_lr"])
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / steps)
     visual.train()
-    losses = []
-    start = time.perf_counter()
-    for _ in range(steps):
+
+    def next_loss() -> torch.Tensor:
         picked = rng.choice(len(images), size=batch_size, replace=True).tolist()
         tokens = visual(torch.cat([pixels[i] for i in picked]), grid_thw=grids[picked]).pooler_output  # (B*tokens, D)
         normed = torch.nn.functional.rms_norm(tokens, (width,))
-        loss = torch.nn.functional.mse_loss(normed @ head, torch.cat([targets[i] for i in picked]))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
+        return torch.nn.functional.mse_loss(normed @ head, torch.cat([targets[i] for i in picked]))
+
+    stats.update(fit(optimizer, steps, next_loss))
     visual.eval()
-    stats.update(
-        loss_first=losses[0],
-        loss_final=float(np.mean(losses[-LOSS_WINDOW:])),
-        seconds=round(time.perf_counter() - start, 3),
-    )
     return stats

@@ -38,6 +38,25 @@ def encode_responses(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.T
     return responses, mask
 
 
+def fit(optimizer: torch.optim.Optimizer, steps: int, next_loss) -> dict:
+    """`steps` optimizer steps on next_loss() with the lr decaying linearly to 0; the loss summary.
+
+    The decay lets the last steps average over many batches, so what the model settles on reflects
+    the whole target distribution instead of echoing the last few batches.
+    """
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / steps)
+    losses = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = next_loss()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+    return {"loss_first": losses[0], "loss_final": float(np.mean(losses[-LOSS_WINDOW:])), "seconds": round(time.perf_counter() - start, 3)}
+
+
 def warm_up(model, processor, rows: list[dict], demo: dict, template: str, rng: np.random.Generator) -> dict:
     """Train `model` in place for demo["warmup_steps"] AdamW steps (lr decaying linearly from
     demo["warmup_lr"] to 0); return the loss curve's summary.
@@ -52,27 +71,15 @@ def warm_up(model, processor, rows: list[dict], demo: dict, template: str, rng: 
         return stats
     prompts = PromptBatch.from_processor(encode_prompts(processor, rows), [len(r["images"]) for r in rows])
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=demo["warmup_lr"])
-    # Linear decay to 0: the last steps average over many batches, so the model's format and answer
-    # frequencies settle near the targets' instead of echoing the last few batches.
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / steps)
     model.train()
-    losses = []
-    start = time.perf_counter()
-    for _ in range(steps):
+
+    def next_loss() -> torch.Tensor:
         picked = rng.choice(len(rows), size=batch_size, replace=True)
         texts = [warmup_response(rng, template, demo["warmup_format_fraction"]) for _ in picked]
         responses, mask = encode_responses(processor.tokenizer, texts)
         logp = response_logprobs(model, prompts.select(picked.tolist()), responses, mask, temperature=1.0)
-        loss = -(logp.sum() / mask.sum())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
+        return -(logp.sum() / mask.sum())
+
+    stats.update(fit(optimizer, steps, next_loss))
     model.eval()
-    stats.update(
-        loss_first=losses[0],
-        loss_final=float(np.mean(losses[-LOSS_WINDOW:])),
-        seconds=round(time.perf_counter() - start, 3),
-    )
     return stats

@@ -14,6 +14,19 @@ import torch
 PIN_LIMIT = 1 << 28  # bytes: larger tensors (a whole evaluation's images) are copied the plain way
 
 
+def to_device(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`tensor` on `device` (and in `dtype` if given).
+
+    From the CPU to a GPU, tensors up to PIN_LIMIT bytes are queued without waiting for the GPU
+    (through pinned memory, cast on the GPU), so a caller does not stall its queue.
+    """
+    if device.type == "cuda" and tensor.device.type == "cpu" and tensor.nbytes <= PIN_LIMIT:
+        tensor = tensor.pin_memory().to(device, non_blocking=True)
+    else:
+        tensor = tensor.to(device)
+    return tensor if dtype is None else tensor.to(dtype)
+
+
 @dataclass
 class PromptBatch:
     input_ids: torch.Tensor  # (N, P) left-padded
@@ -74,23 +87,12 @@ class PromptBatch:
         return self.select(torch.arange(len(self)).repeat_interleave(n))
 
     def to(self, device, dtype: torch.dtype | None = None) -> "PromptBatch":
-        """Move to `device`; pixel values also take the model's dtype.
-
-        From the CPU to a GPU, tensors up to PIN_LIMIT bytes are queued without waiting for the GPU
-        (through pinned memory; pixel values cast on the GPU), so a caller does not stall its queue.
-        """
-        device = torch.device(device)
-        to_gpu = device.type == "cuda"
+        """Move to `device` (with to_device); pixel values also take the model's dtype."""
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None:
-                cast = dtype if f.name == "pixel_values" and dtype else None
-                if to_gpu and value.device.type == "cpu" and value.nbytes <= PIN_LIMIT:
-                    value = value.pin_memory().to(device, non_blocking=True)
-                    value = value.to(cast) if cast is not None else value
-                else:
-                    value = value.to(device, dtype=cast) if cast is not None else value.to(device)
+                value = to_device(value, torch.device(device), dtype if f.name == "pixel_values" else None)
             moved[f.name] = value
         return replace(self, **moved)
 

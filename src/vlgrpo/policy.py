@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, AutoModelForImageTextToText, DynamicCache
 
-from vlgrpo.batch import PromptBatch
+from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.config import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -239,11 +239,11 @@ def response_logprobs(
     """
     device, full_width = model.device, responses.shape[1]
     width = int(response_mask.sum(-1).max())  # trailing all-padding columns are not computed
-    responses, response_mask = _to(responses[:, :width], device), _to(response_mask[:, :width], device)
+    responses, response_mask = to_device(responses[:, :width], device), to_device(response_mask[:, :width], device)
     if options.prefix_sharing:  # runs found where the prompts are (the CPU): only distinct prompts travel
         first, source = prompt_runs(prompts)
         unique = prompts.select(first).to(device, model.dtype)
-        hidden = _shared_prefix_hidden(model, unique, _to(source, device), responses, response_mask)
+        hidden = _shared_prefix_hidden(model, unique, to_device(source, device), responses, response_mask)
     else:
         prompts = prompts.to(device, model.dtype)
         inputs = prompts.model_inputs()
@@ -256,15 +256,6 @@ def response_logprobs(
         hidden = model.model(**inputs, use_cache=False).last_hidden_state[:, -(width + 1) : -1]  # (N, R, H)
     logp = token_logprobs(model.lm_head, hidden, responses, temperature, options.logprobs_chunk_size) * response_mask
     return F.pad(logp, (0, full_width - width))
-
-
-def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` on `device`; from the CPU to a GPU without waiting for the GPU's queue."""
-    if tensor.device == device:
-        return tensor
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 def micro_batches(prompts: PromptBatch, response_mask: torch.Tensor, rows: list[int], size: int, dynamic: bool) -> list[list[int]]:

@@ -194,6 +194,15 @@ def _pool(workers: int) -> ProcessPoolExecutor:
     return _POOLS[workers]
 
 
+def _picklable(fn: RewardFunction) -> bool:
+    """Whether `fn` can travel to a worker process (a user function loaded from a file path may not)."""
+    try:
+        pickle.dumps(fn)
+    except Exception:
+        return False
+    return True
+
+
 class Grading:
     """score_responses running in the background; result() gives exactly what score_responses gives."""
 
@@ -203,12 +212,7 @@ class Grading:
         self.fn, self.responses, self.ground_truths = fn, responses, ground_truths
         workers = default_workers() if workers is None else workers
         self.futures = None
-        if workers >= 2 and len(responses) > 1:
-            try:
-                pickle.dumps(fn)  # a user function loaded from a file path may not travel
-            except Exception:
-                workers = 0
-        if workers >= 2 and len(responses) > 1:
+        if workers >= 2 and len(responses) > 1 and _picklable(fn):
             size = -(-len(responses) // (2 * workers))  # contiguous chunks, in order
             pool = _pool(workers)
             self.futures = [

@@ -36,11 +36,11 @@ from tqdm.auto import tqdm
 
 from vlgrpo import config as config_lib
 from vlgrpo import grpo, paths, plan
-from vlgrpo.batch import PromptBatch
+from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
 from vlgrpo.data import encode_prompts, load_filtered, load_processor
 from vlgrpo.errors import VlgrpoError
-from vlgrpo.policy import ForwardOptions, _to, load_model, micro_batches, prepare_model, resolve_device, response_logprobs
+from vlgrpo.policy import ForwardOptions, load_model, micro_batches, prepare_model, resolve_device, response_logprobs
 from vlgrpo.rewards import Grading, load_reward_function
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.sampling import sample_key
@@ -194,7 +194,7 @@ class GRPOTrainer:
         with torch.no_grad():
             for rows in self._micro_batches(prompts, mask, list(range(len(prompts))), micro):
                 logp = response_logprobs(model, prompts.select(rows), responses[rows], mask[rows], temperature, self.forward)
-                out.index_copy_(0, _to(torch.tensor(rows), out.device), logp)
+                out.index_copy_(0, to_device(torch.tensor(rows), out.device), logp)
                 self.heartbeat.beat()
         return out.cpu()
 
@@ -283,8 +283,8 @@ class GRPOTrainer:
         sums, updates, skipped = defaultdict(float), 0, 0
         # The step's tensors go to the device once; metrics stay there until the end (no wait per micro-batch).
         dev = self.policy.device
-        old_d, adv_d, mask_d = _to(old_logp, dev), _to(advantages, dev), _to(out.response_mask, dev)
-        ref_d = None if ref_logp is None else _to(ref_logp, dev)
+        old_d, adv_d, mask_d = to_device(old_logp, dev), to_device(advantages, dev), to_device(out.response_mask, dev)
+        ref_d = None if ref_logp is None else to_device(ref_logp, dev)
         self.policy.train()
         for _ in range(actor["ppo_epochs"]):
             for start in range(0, len(prompts), mini):
@@ -296,7 +296,7 @@ class GRPOTrainer:
                     logp = response_logprobs(
                         self.policy, prompts.select(rows), out.responses[rows], out.response_mask[rows], temperature, self.forward
                     )
-                    index = _to(torch.tensor(rows), dev)
+                    index = to_device(torch.tensor(rows), dev)
                     rmask = mask_d.index_select(0, index).float()
                     loss, metrics = grpo.policy_loss(
                         logp, old_d.index_select(0, index), adv_d.index_select(0, index), rmask,

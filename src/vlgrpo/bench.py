@@ -47,7 +47,8 @@ PLAIN = {
     "model": {"gradient_checkpointing": True, "packed_vision_attention": False},
     "worker": {
         "actor": {"micro_batch_size_per_device_for_update": 1, "micro_batch_size_per_device_for_experience": 1,
-                  "dynamic_batching": False, "prefix_sharing": False, "logprobs_chunk_size": 0},
+                  "dynamic_batching": False, "prefix_sharing": False, "logprobs_chunk_size": 0,
+                  "old_logprobs_from_update": False},
         "rollout": {"engine": "hf"},
     },
 }
@@ -126,7 +127,10 @@ def forward_flops(model_config, prompt_tokens: list[int], image_patches: list[in
 
 
 def step_flops(trainer: GRPOTrainer, step: int, response_tokens: float) -> float:
-    """FLOPs a GRPO step needs: forwards for generation, old and ref log-probs, 3 per update epoch."""
+    """FLOPs a GRPO step needs: forwards for generation, old and ref log-probs, 3 per update epoch.
+
+    With actor.old_logprobs_from_update the old pass covers the rows after the first mini-batch only.
+    """
     cfg = trainer.cfg
     rows = [trainer.rows[i] for i in trainer.batch_indices(step)]
     enc = encode_prompts(trainer.processor, rows)
@@ -135,7 +139,9 @@ def step_flops(trainer: GRPOTrainer, step: int, response_tokens: float) -> float
     for r in rows:
         first.append(first[-1] + len(r["images"]))
     per_row = [sum(patches[first[k] : first[k + 1]]) for k in range(len(rows))]
-    forwards = 2 + (trainer.ref is not None) + 3 * cfg["worker"]["actor"]["ppo_epochs"]
+    actor = cfg["worker"]["actor"]
+    old = 1 - min(actor["global_batch_size"], len(rows)) / len(rows) if actor["old_logprobs_from_update"] else 1
+    forwards = 1 + old + (trainer.ref is not None) + 3 * actor["ppo_epochs"]
     model_config = trainer.policy.config
     return forwards * forward_flops(model_config, prompt_tokens, per_row, cfg["worker"]["rollout"]["n"], response_tokens)
 

@@ -188,13 +188,14 @@ class GRPOTrainer:
     def _micro_batches(self, prompts: PromptBatch, mask, rows: list[int], micro: int) -> list[list[int]]:
         return micro_batches(prompts, mask, rows, micro, self.cfg["worker"]["actor"]["dynamic_batching"])
 
-    def _logprobs(self, model, prompts: PromptBatch, responses, mask, micro: int) -> torch.Tensor:
+    def _logprobs(self, model, prompts: PromptBatch, responses, mask, micro: int, rows: list[int] | None = None) -> torch.Tensor:
+        """(N, R) float32 log-probs of the responses under `model` (no grad); only `rows` if given, zeros elsewhere."""
         temperature = self.cfg["worker"]["rollout"]["temperature"]
         out = torch.zeros(responses.shape, dtype=torch.float32, device=model.device)  # one copy back, at the end
         with torch.no_grad():
-            for rows in self._micro_batches(prompts, mask, list(range(len(prompts))), micro):
-                logp = response_logprobs(model, prompts.select(rows), responses[rows], mask[rows], temperature, self.forward)
-                out.index_copy_(0, to_device(torch.tensor(rows), out.device), logp)
+            for batch in self._micro_batches(prompts, mask, list(range(len(prompts))) if rows is None else rows, micro):
+                logp = response_logprobs(model, prompts.select(batch), responses[batch], mask[batch], temperature, self.forward)
+                out.index_copy_(0, to_device(torch.tensor(batch), out.device), logp)
                 self.heartbeat.beat()
         return out.cpu()
 
@@ -224,8 +225,9 @@ class GRPOTrainer:
         grading = Grading(self.reward_fn, out.texts, [r["answer"] for r in rows for _ in range(n)])
         reward_s = time.perf_counter() - reward_start
         micro = actor["micro_batch_size_per_device_for_experience"]
-        with timer(timing, "old"):
-            old_logp = self._logprobs(self.policy, prompts, out.responses, out.response_mask, micro)
+        with timer(timing, "old"):  # the update fills the rows it computes itself (old_logprobs_from_update)
+            first = actor["global_batch_size"] * n if actor["old_logprobs_from_update"] else 0
+            old_logp = self._logprobs(self.policy, prompts, out.responses, out.response_mask, micro, list(range(first, len(prompts))))
         ref_logp = None
         if self.ref is not None:
             with timer(timing, "ref"):
@@ -271,7 +273,11 @@ class GRPOTrainer:
         return record
 
     def update_actor(self, step, prompts: PromptBatch, out, old_logp, ref_logp, advantages) -> dict:
-        """PPO epochs over mini-batches of global_batch_size prompts; returns averaged actor metrics."""
+        """PPO epochs over mini-batches of global_batch_size prompts; returns averaged actor metrics.
+
+        With actor.old_logprobs_from_update, the first mini-batch of the first epoch takes its old
+        log-probs from its own forward (the policy has not changed yet) and writes them into old_logp.
+        """
         cfg, actor, algorithm = self.cfg, self.cfg["worker"]["actor"], self.cfg["algorithm"]
         temperature = cfg["worker"]["rollout"]["temperature"]
         n, mode = cfg["worker"]["rollout"]["n"], actor["loss_avg_mode"]
@@ -286,8 +292,9 @@ class GRPOTrainer:
         old_d, adv_d, mask_d = to_device(old_logp, dev), to_device(advantages, dev), to_device(out.response_mask, dev)
         ref_d = None if ref_logp is None else to_device(ref_logp, dev)
         self.policy.train()
-        for _ in range(actor["ppo_epochs"]):
+        for epoch in range(actor["ppo_epochs"]):
             for start in range(0, len(prompts), mini):
+                on_policy = actor["old_logprobs_from_update"] and epoch == 0 and start == 0
                 mini_rows = list(range(start, min(start + mini, len(prompts))))
                 mask = out.response_mask[mini_rows].float()
                 denominator = float(mask.sum()) if mode == "token" else float(len(mini_rows))
@@ -298,6 +305,8 @@ class GRPOTrainer:
                     )
                     index = to_device(torch.tensor(rows), dev)
                     rmask = mask_d.index_select(0, index).float()
+                    if on_policy:
+                        old_d.index_copy_(0, index, logp.detach())
                     loss, metrics = grpo.policy_loss(
                         logp, old_d.index_select(0, index), adv_d.index_select(0, index), rmask,
                         actor["clip_ratio_low"], actor["clip_ratio_high"], actor["clip_ratio_dual"],
@@ -332,6 +341,8 @@ class GRPOTrainer:
                             f"{cfg['trainer']['max_nonfinite_steps']}); the segment stops here"
                         )
         self.policy.eval()
+        if actor["old_logprobs_from_update"]:
+            old_logp[:mini] = old_d[:mini].cpu()
         # Micro-batch metrics were normalised by the mini-batch: their sum is the mini-batch value.
         sums = {k: float(v) for k, v in sums.items()}  # one wait for the device, here
         record = {f"actor/{k}": v / updates for k, v in sums.items()}

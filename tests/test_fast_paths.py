@@ -1,6 +1,7 @@
 """The speed switches compute what the plain paths compute (tiny demo model, float32, CPU)."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from conftest import make_experiment
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data import encode_prompts, render_prompt
-from vlgrpo.policy import ForwardOptions, micro_batches, prepare_model, prompt_runs, response_logprobs
+from vlgrpo.policy import ForwardOptions, micro_batches, prefix_forward, prepare_model, prompt_runs, response_logprobs, vision_index
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.sampling import sample_key
 from vlgrpo.trainer import GRPOTrainer
@@ -81,6 +82,25 @@ def test_shared_prefix_chunked_gradients_equal_plain(trainer):
         assert (grads["fast"][n] - g).norm() <= 1e-5 * g.norm() + 1e-8, (n, (grads["fast"][n] - g).norm() / g.norm())
 
 
+def test_prefix_forward_with_host_indices_equals_the_models_forward(trainer):
+    """Rope positions and vision indices computed on the CPU give the model's own forward."""
+    prompts, model = samples(trainer, n=1), trainer.policy
+    with torch.no_grad():
+        own = model.model(**prompts.model_inputs(), use_cache=True)
+        pre = prefix_forward(model, prompts, replace(prompts, pixel_values=None))
+    assert torch.equal(pre.last_hidden, own.last_hidden_state[:, -1])
+    assert torch.equal(pre.next_position, model.model.rope_deltas.view(-1) + prompts.attention_mask.sum(-1))
+    cache = getattr(own, "cache", None) or own.past_key_values
+    assert torch.equal(pre.cache.layers[-1].values, cache.layers[-1].values)
+    grid = torch.tensor([[1, 12, 20], [1, 8, 8], [1, 18, 10]])  # ragged windows: the index helpers' edge cases
+    vision = model.config.vision_config
+    pixels = torch.randn(int(grid.prod(-1).sum()), vision.in_channels * vision.temporal_patch_size * vision.patch_size**2)
+    with torch.no_grad():
+        expected = model.model.visual(pixels, grid_thw=grid).pooler_output
+        given = model.model.visual(pixels, grid_thw=grid, **vision_index(model.model.visual, grid)).pooler_output
+    assert torch.equal(given, expected)
+
+
 def test_packed_vision_attention_equals_per_window(trainer):
     """Windows of different sizes (ragged edges) and images of different sizes in one call."""
     model = copy.deepcopy(trainer.policy)
@@ -150,3 +170,15 @@ def test_a_fast_step_equals_the_plain_step(demo_base, tmp_path):
     for key in ("reward/overall", "response_length/mean", "actor/entropy_loss", "actor/pg_loss", "actor/kl_loss",
                 "actor/ppo_kl", "actor/grad_norm"):
         assert records["fast"][key] == pytest.approx(records["plain"][key], rel=1e-4, abs=1e-6), key
+
+
+def test_old_logprobs_from_the_update_equal_a_separate_pass(demo_base, tmp_path):
+    """The first mini-batch's old log-probs taken from its own update forward: the same step."""
+    records = {}
+    for name, reuse in (("separate", False), ("from_update", True)):
+        actor = {"global_batch_size": 4, "ppo_epochs": 2, "old_logprobs_from_update": reuse}  # 2 mini-batches, 2 epochs
+        t = GRPOTrainer(make_experiment(demo_base, tmp_path / name, {"worker": {"actor": actor}}))
+        t.load(0)
+        records[name] = t.step(1)
+    for key in ("actor/entropy_loss", "actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/grad_norm", "actor/pg_clipfrac_higher"):
+        assert records["from_update"][key] == pytest.approx(records["separate"][key], rel=1e-4, abs=1e-6), key

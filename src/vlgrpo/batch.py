@@ -32,7 +32,7 @@ class PromptBatch:
     input_ids: torch.Tensor  # (N, P) left-padded
     attention_mask: torch.Tensor  # (N, P)
     mm_token_type_ids: torch.Tensor | None  # (N, P) 1 on image tokens (transformers 5), else None
-    pixel_values: torch.Tensor | None  # (sum of patches over all images, D)
+    pixel_values: torch.Tensor | None  # (sum of patches over all images, D); None without images or where only the grids are kept
     image_grid_thw: torch.Tensor | None  # (num images, 3)
     num_images: torch.Tensor  # (N,) images of each row, in order
 
@@ -63,7 +63,10 @@ class PromptBatch:
         return [(image_offsets[row_first_image[i]], image_offsets[row_first_image[i + 1]]) for i in range(len(self))]
 
     def select(self, rows: list[int] | torch.Tensor) -> "PromptBatch":
-        """Rows `rows` (any order, repeats allowed), with columns that are padding in all of them dropped."""
+        """Rows `rows` (any order, repeats allowed), with columns that are padding in all of them dropped.
+
+        Consecutive rows share the pixel values with this batch (a view); other selections copy them.
+        """
         rows = torch.as_tensor(rows, dtype=torch.long)
         mask = self.attention_mask[rows]
         first = int((mask.sum(0) > 0).nonzero()[0]) if mask.any() else 0  # left padding shared by all
@@ -71,8 +74,13 @@ class PromptBatch:
         if self.image_grid_thw is not None:
             ranges = self._patch_ranges()
             image_first = [0] + self.num_images.cumsum(0).tolist()
-            pixel_values = torch.cat([self.pixel_values[slice(*ranges[r])] for r in rows.tolist()])
-            image_grid_thw = torch.cat([self.image_grid_thw[image_first[r] : image_first[r + 1]] for r in rows.tolist()])
+            picked = rows.tolist()
+            if self.pixel_values is not None:  # a batch of grids alone (for host indices) has none
+                if picked == list(range(picked[0], picked[0] + len(picked))):  # consecutive rows: a view, no copy
+                    pixel_values = self.pixel_values[ranges[picked[0]][0] : ranges[picked[-1]][1]]
+                else:
+                    pixel_values = torch.cat([self.pixel_values[slice(*ranges[r])] for r in picked])
+            image_grid_thw = torch.cat([self.image_grid_thw[image_first[r] : image_first[r + 1]] for r in picked])
         return PromptBatch(
             input_ids=self.input_ids[rows, first:],
             attention_mask=mask[:, first:],

@@ -13,6 +13,8 @@ Speed switches (ForwardOptions, all off by default and none changes the result b
 - packed vision attention (set on the model by prepare_model): the vision tower's windows and images
   go through one batched attention call instead of one call each;
 - dynamic batching (micro_batches): micro-batches sized by a padded-token budget.
+The prefix forward (prefix sharing, the static engine's prefill) takes Qwen2.5-VL's rope positions
+and vision indices computed on the CPU (multimodal_index): the same values, no host reads on the GPU.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, AutoModelForImageTextToText, DynamicCache
+from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.config import ConfigError
@@ -164,26 +167,76 @@ def _cache_kwarg(module) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
-def prefix_forward(model, prompts: PromptBatch) -> Prefix:
-    """The model's own forward over `prompts` (on the model's device) with a cache."""
-    out = model.model(**prompts.model_inputs(), use_cache=True)
-    cache = getattr(out, "cache", None)  # transformers 5.24; 5.17 names it past_key_values
-    cache = out.past_key_values if cache is None else cache
+def vision_index(vision, grid: torch.Tensor) -> dict:
+    """The vision tower's precomputed keyword arguments for images of `grid` (num images, 3), on the CPU:
+    rotary positions, full and window attention bounds with their longest segments, window order."""
+    cu_seqlens = get_vision_cu_seqlens(grid)
+    window_index, cu_window_seqlens = get_vision_window_index(grid, vision.spatial_merge_size, vision.window_size, vision.patch_size)
+    return {
+        "position_ids": get_vision_position_ids(grid, vision.spatial_merge_size),
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": int((cu_seqlens[1:] - cu_seqlens[:-1]).max()),
+        "window_index": window_index,
+        "cu_window_seqlens": cu_window_seqlens,
+        "max_window_seqlen": int((cu_window_seqlens[1:] - cu_window_seqlens[:-1]).max()),
+    }
+
+
+def multimodal_index(model, host: PromptBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """What Qwen2.5-VL's forward derives from token ids and image grids, computed on the CPU.
+
+    The model's own get_rope_index and the vision tower's index helpers loop over rows and images
+    with a host read each; on the GPU every read waits for the queue to drain. host: the batch on
+    the CPU (pixel values not needed). Returns, on `device` (copies queued without waiting):
+    3-D rope position_ids (3, N, P), rope_deltas (N,) and the vision tower's keyword arguments.
+    """
+    positions, deltas = model.model.get_rope_index(
+        host.input_ids, mm_token_type_ids=host.mm_token_type_ids, image_grid_thw=host.image_grid_thw,
+        attention_mask=host.attention_mask,
+    )
+    tower = vision_index(model.model.visual, host.image_grid_thw)
+    tower = {k: to_device(v, device) if torch.is_tensor(v) else v for k, v in tower.items()}
+    return to_device(positions, device), to_device(deltas.view(-1), device), tower
+
+
+def _multimodal_forward(model, prompts: PromptBatch, host: PromptBatch):
+    """Qwen2.5-VL's forward (embed, vision tower, image features into their placeholders, language
+    model) with the indices of multimodal_index passed in. Returns (language model output, rope_deltas)."""
+    base = model.model
+    positions, deltas, tower = multimodal_index(model, host, prompts.input_ids.device)
+    embeds = base.get_input_embeddings()(prompts.input_ids)
+    images = base.visual(prompts.pixel_values.type(base.visual.dtype), grid_thw=prompts.image_grid_thw, **tower).pooler_output
+    placeholders = (prompts.input_ids == base.config.image_token_id)[..., None]
+    embeds = embeds.masked_scatter(placeholders, images.to(embeds.dtype))
+    out = base.language_model(inputs_embeds=embeds, attention_mask=prompts.attention_mask, position_ids=positions, use_cache=True)
+    return out, deltas
+
+
+def prefix_forward(model, prompts: PromptBatch, host: PromptBatch) -> Prefix:
+    """The model's forward over `prompts` (on the model's device) with a cache.
+
+    host: the same rows on the CPU (pixel values may be left out): rope positions and vision
+    indices are computed from it (multimodal_index), so the forward queues its work without waits.
+    """
     width = prompts.input_ids.shape[1]
     if prompts.image_grid_thw is None:  # text only: 1-D positions run over the padding
+        out = model.model(**prompts.model_inputs(), use_cache=True)
         next_position = torch.full((len(prompts),), width, device=prompts.input_ids.device)
-    else:  # text after the prompt continues from its largest 3-D position (rope_deltas + valid length);
-        # the model keeps the deltas of its last forward (5.24 outputs no longer carry them)
-        next_position = model.model.rope_deltas.view(-1) + prompts.attention_mask.sum(-1)
+    else:  # text after the prompt continues from its largest 3-D position (rope_deltas + valid length)
+        out, deltas = _multimodal_forward(model, prompts, host)
+        next_position = deltas + prompts.attention_mask.sum(-1)
+    cache = getattr(out, "cache", None)  # transformers 5.24; 5.17 names it past_key_values
+    cache = out.past_key_values if cache is None else cache
     return Prefix(out.last_hidden_state[:, -1], cache, next_position, prompts.attention_mask)
 
 
-def _shared_prefix_hidden(model, unique: PromptBatch, source, responses, response_mask) -> torch.Tensor:
+def _shared_prefix_hidden(model, unique: PromptBatch, host: PromptBatch, source, responses, response_mask) -> torch.Tensor:
     """Hidden states that predict each response token, each distinct prompt encoded once. -> (N, R, H)
 
-    unique: the U distinct prompts (on the model's device); source: (N,) each row's prompt in it.
+    unique: the U distinct prompts (on the model's device), host: the same on the CPU; source: (N,)
+    each row's prompt in it.
     """
-    prefix = prefix_forward(model, unique)
+    prefix = prefix_forward(model, unique, host)
     cache = DynamicCache(config=model.config)
     for i in range(len(model.model.language_model.layers)):
         layer = prefix.cache.layers[i]
@@ -242,8 +295,8 @@ def response_logprobs(
     responses, response_mask = to_device(responses[:, :width], device), to_device(response_mask[:, :width], device)
     if options.prefix_sharing:  # runs found where the prompts are (the CPU): only distinct prompts travel
         first, source = prompt_runs(prompts)
-        unique = prompts.select(first).to(device, model.dtype)
-        hidden = _shared_prefix_hidden(model, unique, to_device(source, device), responses, response_mask)
+        host = prompts.select(first)
+        hidden = _shared_prefix_hidden(model, host.to(device, model.dtype), host, to_device(source, device), responses, response_mask)
     else:
         prompts = prompts.to(device, model.dtype)
         inputs = prompts.model_inputs()

@@ -17,6 +17,8 @@ masking: HFEngine.generate does the chunking and the masking), built for speed o
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -149,8 +151,9 @@ class StaticEngine(HFEngine):
         """
         first, source = prompt_runs(sub)
         source = source.to(sub.input_ids.device)
+        host = replace(sub, pixel_values=None).to("cpu")  # for the rope and vision indices (policy.multimodal_index)
         width = sub.input_ids.shape[1]
-        lengths = sub.attention_mask[first].sum(-1).tolist()
+        lengths = host.attention_mask[first].sum(-1).tolist()
         order = sorted(range(len(first)), key=lambda u: lengths[u])  # stable: equal lengths keep their order
         chunks, current = [], []
         for u in order:  # ascending lengths: a chunk's cost is its size times its last prompt's length
@@ -161,7 +164,8 @@ class StaticEngine(HFEngine):
         chunks.append(current)
         logits = None
         for chunk in chunks:
-            pre = prefix_forward(self.model, sub.select([first[u] for u in chunk]))
+            rows_of_chunk = [first[u] for u in chunk]
+            pre = prefix_forward(self.model, sub.select(rows_of_chunk), host.select(rows_of_chunk))
             local_of = torch.full((len(first),), -1, dtype=torch.long, device=source.device)
             local_of[torch.tensor(chunk, device=source.device)] = torch.arange(len(chunk), device=source.device)
             rows = (local_of[source] >= 0).nonzero().squeeze(1)

@@ -52,6 +52,28 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert set(tokens.tolist()) == {0, 1}
 
 
+def _top_p_by_scatter(logits, top_p):
+    """The nucleus by sorted position (ties split by sort order), scattered back to the vocabulary."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    drop_sorted = probs.cumsum(dim=-1) - probs > top_p
+    return logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.95, 0.999])
+def test_top_p_threshold_equals_the_sorted_nucleus(top_p):
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 1000, generator=generator) * torch.linspace(0.1, 8.0, 64)[:, None]  # flat to peaked
+    logits[:, :10] = float("-inf")  # banned tokens
+    assert torch.equal(top_p_mask(logits, top_p), _top_p_by_scatter(logits, top_p))
+
+
+def test_top_p_keeps_every_token_tied_at_the_edge():
+    logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2]]))
+    assert torch.isfinite(top_p_mask(logits, 0.5)).tolist() == [[True, True, True, True]]
+    assert torch.isfinite(top_p_mask(logits, 0.3)).tolist() == [[True, False, False, False]]
+
+
 def test_banned_tokens_are_never_sampled_but_logp_is_of_the_full_distribution():
     logits = torch.tensor([[5.0, 0.0, 0.0]])
     banned = torch.tensor([True, False, False])

@@ -60,15 +60,18 @@ def _mix32_int32(x: torch.Tensor) -> torch.Tensor:
 def top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Set logits outside the nucleus of mass top_p to -inf; the most likely token is always kept.
 
+    The nucleus: the most likely tokens, in order, while the mass before each is at most top_p,
+    and every token as likely as the last of them (ties at the edge all stay, whatever order a
+    sort puts them in). One threshold per row: no scatter of a full-vocabulary mask back.
     logits: (N, V) -> (N, V)
     """
     if top_p >= 1.0:
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
     probs = sorted_logits.softmax(dim=-1)
-    drop_sorted = probs.cumsum(dim=-1) - probs > top_p  # mass before this token already exceeds top_p
-    drop = drop_sorted.scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    kept = (probs.cumsum(dim=-1) - probs <= top_p).sum(dim=-1, keepdim=True)  # (N, 1), at least 1
+    edge = sorted_logits.gather(-1, kept - 1)  # (N, 1) the least likely kept logit
+    return logits.masked_fill(logits < edge, float("-inf"))
 
 
 def keyed_sample(

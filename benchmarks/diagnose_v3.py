@@ -1,0 +1,202 @@
+"""Where the update's and the evaluator's time goes, without a whole step (issue 7, after v3).
+
+    python benchmarks/diagnose_v3.py --config configs/bench_h200.yaml --out diag_v3.json
+
+Same model (random weights), data and trainer as `vlgrpo bench`, but no rollout: 32 train prompts x
+4 samples with random 512-token responses, then
+  1. one update micro-batch (forward, loss, backward) at token budgets of 8, 12 and 16 rows: host
+     seconds (until backward returns), wall seconds (after a device sync) and peak memory; the host
+     running as long as the wall means the GPU waits on it;
+  2. one micro-batch of 8 rows under torch.profiler: GPU kernel seconds, the host ops with the most
+     self time, and how often the host waited (synchronize / item / blocking copies);
+  3. the evaluator's generation split: host->device copy, prefill of 601 prompts, decode-step replay
+     at 601 rows (T 0.6, top-p 0.95) and keyed sampling alone.
+Prints as it goes; writes JSON after each section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+import torch
+
+from vlgrpo import config as config_lib
+from vlgrpo import grpo, paths
+from vlgrpo.batch import PromptBatch
+from vlgrpo.bench import base_model, ensure_filtered, free, sync
+from vlgrpo.data import load_filtered
+from vlgrpo.evaluate import encode_in_parallel
+from vlgrpo.policy import resolve_device, response_logprobs
+from vlgrpo.rollout import SamplingParams
+from vlgrpo.rollout.sampling import keyed_sample
+from vlgrpo.trainer import GRPOTrainer
+
+out: dict = {}
+
+
+def say(*args):
+    print(*args, flush=True)
+
+
+def section(name, fn):
+    say(f"--- {name}")
+    try:
+        fn()
+    except Exception:
+        traceback.print_exc()
+        out.setdefault("errors", []).append(name)
+
+
+def micro_step(trainer, prompts, responses, mask, rows) -> float:
+    """Forward, loss and backward of one micro-batch; returns the host seconds until backward returns."""
+    start = time.perf_counter()
+    logp = response_logprobs(trainer.policy, prompts.select(rows), responses[rows], mask[rows], 1.0, trainer.forward)
+    rmask = mask[rows].to(logp.device).float()
+    loss, _ = grpo.policy_loss(logp, logp.detach(), torch.ones(len(rows), device=logp.device), rmask, 0.2, 0.3, 3.0)
+    loss.backward()
+    return time.perf_counter() - start
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="configs/bench_h200.yaml")
+    parser.add_argument("--out", default="diag_v3.json")
+    args = parser.parse_args(argv)
+
+    def write():
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+    cfg = config_lib.load(args.config)
+    device = resolve_device(cfg["trainer"]["device"])
+    cuda = device.type == "cuda"
+    ensure_filtered(cfg)
+    model, _ = base_model(cfg, device)
+    trainer = GRPOTrainer(cfg)
+    trainer.load(0, base=model)
+    n, length = cfg["worker"]["rollout"]["n"], cfg["data"]["max_response_length"]
+    rows = [trainer.rows[i] for i in trainer.batch_indices(2)]
+    enc = encode_in_parallel(trainer.processor, rows)
+    prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(n)
+    generator = torch.Generator().manual_seed(0)
+    responses = torch.randint(0, len(trainer.processor.tokenizer), (len(prompts), length), generator=generator)
+    mask = torch.ones_like(responses)
+    trainer.policy.train()
+
+    def budgets():
+        res = {}
+        for micro in (8, 12, 16):
+            batch = trainer._micro_batches(prompts, mask, list(range(len(prompts) // 2)), micro)[0]
+            sync(device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                walls, hosts = [], []
+                for _ in range(3):
+                    start = time.perf_counter()
+                    hosts.append(micro_step(trainer, prompts, responses, mask, batch))
+                    sync(device)
+                    walls.append(time.perf_counter() - start)
+                res[micro] = {"rows": len(batch), "host_s": hosts, "wall_s": walls}
+                if cuda:  # resident: weights, reference, gradients (no optimizer state, no decode cache here)
+                    res[micro] |= {"peak_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+                                   "resident_gb": torch.cuda.memory_allocated() / 2**30}
+            except torch.OutOfMemoryError as e:
+                res[micro] = {"rows": len(batch), "error": str(e)[:200]}
+            trainer.policy.zero_grad(set_to_none=True)
+            free(device)
+            say(micro, res[micro])
+        out["micro_batch"] = res
+
+    section("update micro-batches by token budget", budgets)
+    write()
+
+    def profiled():
+        batch = trainer._micro_batches(prompts, mask, list(range(len(prompts) // 2)), 8)[0]
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        sync(device)
+        with torch.profiler.profile(activities=acts) as prof:
+            start = time.perf_counter()
+            host = micro_step(trainer, prompts, responses, mask, batch)
+            sync(device)
+            wall = time.perf_counter() - start
+        trainer.policy.zero_grad(set_to_none=True)
+        events = prof.key_averages()
+        kernels = sum(getattr(e, "self_device_time_total", 0) for e in events if str(e.device_type).endswith("CUDA"))
+        host_ops = sorted((e for e in events if str(e.device_type).endswith("CPU")), key=lambda e: -e.self_cpu_time_total)
+        waits = {e.key: e.count for e in events if any(w in e.key for w in ("Synchronize", "aten::item", "aten::_local_scalar_dense", "Memcpy", "aten::nonzero"))}
+        out["profiled_micro_batch"] = {
+            "rows": len(batch), "host_s": host, "wall_s": wall, "kernel_s": kernels / 1e6,
+            "cpu_ops": sum(e.count for e in host_ops if e.key.startswith("aten::")),
+            "top_host": [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in host_ops[:25]],
+            "waits": waits,
+        }
+        say({k: v for k, v in out["profiled_micro_batch"].items() if k != "top_host"})
+        for row in out["profiled_micro_batch"]["top_host"]:
+            say("  ", row)
+
+    section("one micro-batch of 8 rows under the profiler", profiled)
+    write()
+    trainer.policy.eval()
+
+    def eval_pieces():
+        engine = trainer.engine
+        val = load_filtered(paths.path(paths.FILTERED, config_lib.experiment_dir(cfg), split="val"))
+        start = time.perf_counter()
+        enc = encode_in_parallel(trainer.processor, val)
+        res = {"items": len(val), "encode_s": time.perf_counter() - start}
+        batch = PromptBatch.from_processor(enc, [len(r["images"]) for r in val])
+        params = SamplingParams(0.6, 0.95, length)
+        sync(device)
+        start = time.perf_counter()
+        sub = batch.select(list(range(len(batch)))).to(device, model.dtype)
+        sync(device)
+        res["select_and_copy_s"] = time.perf_counter() - start
+        rows_, width = sub.input_ids.shape
+        cache_width = -(-(width + length - 1) // 128) * 128
+        start = time.perf_counter()
+        dec = engine._decoder_for(rows_, cache_width, params)
+        sync(device)
+        res["alloc_and_capture_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        with torch.no_grad():
+            logits = engine._prefill(sub, dec)
+        sync(device)
+        res["prefill_s"] = time.perf_counter() - start
+        if not cuda:  # no graph to replay
+            out["eval"] = res
+            say(res)
+            return
+        keys = torch.arange(rows_, device=device)
+        dec.keys.copy_(keys)
+        dec.prompt_width.fill_(width)
+        dec.step_index.zero_()
+        for _ in range(3):
+            dec.graph.replay()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(40):
+            dec.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        res["decode_step_ms"] = begin.elapsed_time(end) / 40
+        position = torch.zeros(1, device=device, dtype=torch.long)
+        for top_p in (0.95, 1.0):
+            begin.record()
+            for _ in range(20):
+                keyed_sample(logits, keys, position, 0.6, top_p, dec.banned)
+            end.record()
+            torch.cuda.synchronize()
+            res[f"keyed_sample_ms_top_p_{top_p}"] = begin.elapsed_time(end) / 20
+        out["eval"] = res
+        say(res)
+
+    section("evaluator pieces", eval_pieces)
+    write()
+
+
+if __name__ == "__main__":
+    main()

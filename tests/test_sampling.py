@@ -68,6 +68,20 @@ def test_top_p_threshold_equals_the_sorted_nucleus(top_p):
     assert torch.equal(top_p_mask(logits, top_p), _top_p_by_scatter(logits, top_p))
 
 
+def test_top_p_on_bf16_logits_gives_the_float32_nucleus():
+    """keyed_sample finds the nucleus on the model's bf16 logits: the tokens of the float32 nucleus."""
+    generator = torch.Generator().manual_seed(3)
+    logits = (torch.randn(32, 2000, generator=generator) * torch.linspace(0.5, 6.0, 32)[:, None]).bfloat16()
+    keys = torch.tensor([sample_key(5, i) for i in range(32)])
+    for top_p in (0.3, 0.9):
+        tokens, logp = keyed_sample(logits, keys, 4, 0.6, top_p)
+        expected, expected_logp = keyed_sample(logits.float(), keys, 4, 0.6, top_p)
+        assert torch.equal(tokens, expected) and torch.equal(logp, expected_logp)
+        scaled = logits.float() / 0.6
+        kept = torch.isfinite(top_p_mask(scaled, top_p))
+        assert kept.gather(-1, tokens[:, None]).all()
+
+
 def test_top_p_keeps_every_token_tied_at_the_edge():
     logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2]]))
     assert torch.isfinite(top_p_mask(logits, 0.5)).tolist() == [[True, True, True, True]]

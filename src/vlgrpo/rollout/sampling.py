@@ -57,21 +57,26 @@ def _mix32_int32(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 16) & 0xFFFF)
 
 
-def top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Set logits outside the nucleus of mass top_p to -inf; the most likely token is always kept.
+def nucleus_edge(logits: torch.Tensor, top_p: float, temperature: float = 1.0) -> torch.Tensor:
+    """The least likely logit in the nucleus of softmax(logits / temperature) of mass top_p.
 
     The nucleus: the most likely tokens, in order, while the mass before each is at most top_p,
     and every token as likely as the last of them (ties at the edge all stay, whatever order a
-    sort puts them in). One threshold per row: no scatter of a full-vocabulary mask back.
-    logits: (N, V) -> (N, V)
+    sort puts them in). Sorted in the logits' own dtype (bf16 logits: half the bytes a float32
+    sort moves); dividing by a positive temperature keeps the order, so the edge is exact.
+    logits: (N, V) -> (N, 1) in the logits' dtype.
     """
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    probs = (sorted_logits.float() / temperature).softmax(dim=-1)
+    kept = (probs.cumsum(dim=-1) - probs <= top_p).sum(dim=-1, keepdim=True)  # (N, 1), at least 1
+    return sorted_logits.gather(-1, kept - 1)
+
+
+def top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Set logits outside the nucleus of mass top_p (nucleus_edge) to -inf. logits: (N, V) -> (N, V)"""
     if top_p >= 1.0:
         return logits
-    sorted_logits = logits.sort(dim=-1, descending=True).values
-    probs = sorted_logits.softmax(dim=-1)
-    kept = (probs.cumsum(dim=-1) - probs <= top_p).sum(dim=-1, keepdim=True)  # (N, 1), at least 1
-    edge = sorted_logits.gather(-1, kept - 1)  # (N, 1) the least likely kept logit
-    return logits.masked_fill(logits < edge, float("-inf"))
+    return logits.masked_fill(logits < nucleus_edge(logits, top_p), float("-inf"))
 
 
 def keyed_sample(
@@ -95,6 +100,9 @@ def keyed_sample(
     if temperature == 0:
         tokens = allowed.argmax(dim=-1)
     else:
+        if top_p < 1.0:  # the nucleus found on the logits as they come (bf16 from the model): same order, fewer bytes
+            raw = logits if banned is None else logits.masked_fill(banned, float("-inf"))
+            allowed = allowed.masked_fill(raw < nucleus_edge(raw, top_p, temperature), float("-inf"))
         gumbel = -torch.log(-torch.log(uniform_noise(keys, position, logits.shape[-1])))
-        tokens = (top_p_mask(allowed, top_p) + gumbel).argmax(dim=-1)
+        tokens = (allowed + gumbel).argmax(dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -9,7 +9,8 @@ import torch
 from conftest import make_experiment
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data import encode_prompts, render_prompt
-from vlgrpo.policy import ForwardOptions, micro_batches, prefix_forward, prepare_model, prompt_runs, response_logprobs, vision_index
+from vlgrpo.policy import (ForwardOptions, micro_batches, prefix_forward, prepare_model, prompt_runs, response_logprobs,
+                           set_fused_rms_norm, vision_index)
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.sampling import sample_key
 from vlgrpo.trainer import GRPOTrainer
@@ -101,6 +102,18 @@ def test_prefix_forward_with_host_indices_equals_the_models_forward(trainer):
     assert torch.equal(given, expected)
 
 
+def test_fused_rms_norm_gives_the_models_forward(trainer):
+    model, prompts = copy.deepcopy(trainer.policy), samples(trainer, n=1)
+    with torch.no_grad():
+        own = model.model(**prompts.model_inputs()).last_hidden_state
+        set_fused_rms_norm(model, True)
+        assert sum("forward" in m.__dict__ for m in model.modules()) > 2 * len(model.model.language_model.layers)
+        fused = model.model(**prompts.model_inputs()).last_hidden_state
+        set_fused_rms_norm(model, False)
+        assert torch.equal(model.model(**prompts.model_inputs()).last_hidden_state, own)
+    assert (fused - own).abs().max() <= 1e-5 * own.abs().max()
+
+
 def test_packed_vision_attention_equals_per_window(trainer):
     """Windows of different sizes (ragged edges) and images of different sizes in one call."""
     model = copy.deepcopy(trainer.policy)
@@ -108,7 +121,7 @@ def test_packed_vision_attention_equals_per_window(trainer):
     vision = model.config.vision_config
     torch.manual_seed(0)
     pixels = torch.randn(int(grid.prod(-1).sum()), vision.in_channels * vision.temporal_patch_size * vision.patch_size**2)
-    cfg = {"packed_vision_attention": False, "attn_implementation": "sdpa", "gradient_checkpointing": False}
+    cfg = {"packed_vision_attention": False, "attn_implementation": "sdpa", "gradient_checkpointing": False, "fused_rms_norm": False}
     with torch.no_grad():
         loop = torch.cat(model.model.get_image_features(pixels, grid).pooler_output)
         prepare_model(model, {**cfg, "packed_vision_attention": True}, torch.device("cpu"), trainable=False)
@@ -157,7 +170,7 @@ def test_dynamic_micro_batches_respect_the_token_budget(trainer):
 def test_a_fast_step_equals_the_plain_step(demo_base, tmp_path):
     """One whole GRPO step with every switch on gives the plain step's metrics."""
     records = {}
-    fast = {"model": {"packed_vision_attention": True, "gradient_checkpointing": False},
+    fast = {"model": {"packed_vision_attention": True, "gradient_checkpointing": False, "fused_rms_norm": True},
             "worker": {"rollout": {"engine": "static"},
                        "actor": {"dynamic_batching": True, "prefix_sharing": True, "logprobs_chunk_size": 64,
                                  "micro_batch_size_per_device_for_update": 3,

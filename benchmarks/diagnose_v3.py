@@ -4,7 +4,7 @@
 
 Same model (random weights), data and trainer as `vlgrpo bench`, but no rollout: 32 train prompts x
 4 samples with random 512-token responses, then
-  1. one update micro-batch (forward, loss, backward) at token budgets of 8, 12 and 16 rows: host
+  1. one update micro-batch (forward, loss, backward) at token budgets of 8, 16 and 24 rows: host
      seconds (until backward returns), wall seconds (after a device sync) and peak memory; the host
      running as long as the wall means the GPU waits on it;
   2. one micro-batch of 8 rows under torch.profiler: GPU kernel seconds, the host ops with the most
@@ -88,7 +88,7 @@ def main(argv=None):
 
     def budgets():
         res = {}
-        for micro in (8, 12, 16):
+        for micro in (8, 16, 24):
             batch = trainer._micro_batches(prompts, mask, list(range(len(prompts) // 2)), micro)[0]
             sync(device)
             if cuda:

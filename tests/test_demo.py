@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -22,8 +24,9 @@ from vlgrpo.demo import make_dataset, make_model
 from vlgrpo.demo.model import full_attention_blocks, init_model, mrope_section, tiny_config
 from vlgrpo.demo.perception import region_targets, warm_up_vision
 from vlgrpo.demo.processor import CHAT_TEMPLATE, SPECIAL_TOKENS, build_processor, build_tokenizer, train_bpe
-from vlgrpo.demo.responses import warmup_response
+from vlgrpo.demo.responses import COUNT_WEIGHTS, warmup_response
 from vlgrpo.demo.task import QUESTIONS, SPLITS, best_constant_accuracy, make_rows
+from vlgrpo.demo.warmup import warm_up
 from vlgrpo.rewards import r1v
 from vlgrpo.rewards import math as math_reward
 from vlgrpo.rollout import SamplingParams
@@ -148,10 +151,14 @@ def test_warmup_responses_teach_the_format_but_not_the_answer(template, grader):
     responses = [warmup_response(rng, template, 0.4) for _ in range(400)]
     formats = [grader(r, "360")["format"] for r in responses]
     assert 0.33 < np.mean(formats) < 0.47  # 3 standard deviations
-    # Every response carries a gradeable answer, uniform over the four, whatever the image.
-    accuracies = {truth: np.mean([grader(r, truth)["accuracy"] for r in responses]) for truth in sorted(ANSWERS)}
-    assert sum(accuracies.values()) == pytest.approx(1.0)
-    assert all(0.18 < a < 0.32 for a in accuracies.values())
+    # Every response carries a gradeable answer, drawn with COUNT_WEIGHTS whatever the image ...
+    accuracies = [np.mean([grader(r, truth)["accuracy"] for r in responses]) for truth in ("180", "360", "540", "720")]
+    assert sum(accuracies) == pytest.approx(1.0)
+    assert np.allclose(accuracies, COUNT_WEIGHTS, atol=0.075)  # 3 standard deviations
+    # ... and the reasoning names no count: 180 is the only number before the answer.
+    for r in responses:
+        reasoning = r.split("<answer>")[0].split("\\boxed")[0].removeprefix("The answer is")
+        assert set(re.findall(r"\d+", reasoning)) <= {"180"}, r
 
 
 def test_warmup_response_rejects_unknown_template():
@@ -239,6 +246,13 @@ def test_perception_warmup_makes_the_image_tokens_carry_the_figure(tmp_path):
     assert before < 0.6 and after > 0.85, (before, after)
 
 
+def count_share_of_variance(hidden: torch.Tensor, counts: torch.Tensor) -> float:
+    """Share of the variance of hidden (N, H) that the triangle count (N,) explains (between-count / total)."""
+    mean = hidden.mean(0)
+    between = torch.stack([hidden[counts == k].mean(0) for k in counts.tolist()])  # (N, H): each row's count mean
+    return float(((between - mean) ** 2).sum() / ((hidden - mean) ** 2).sum())
+
+
 # ---------------------------------------------------------------------------------------------
 # The model folder
 
@@ -316,12 +330,12 @@ def test_model_build_is_deterministic_and_replaces_the_folder(model_dir, tmp_pat
 
 
 @pytest.mark.slow
-def test_default_warmup_teaches_format_at_t1_but_leaves_greedy_unformatted_and_at_chance(tmp_path):
+def test_default_warmup_teaches_format_at_t1_leaves_greedy_at_chance_and_grounds_the_figure(tmp_path):
     cfg = demo_config(tmp_path, n_train=4, n_val=4, n_test=64)
     data = cfg["data"]
     make_dataset(cfg, tmp_path / "data")
     stats = make_model(cfg, tmp_path / "model")
-    assert stats["warmup"]["loss_final"] < 0.5 < stats["warmup"]["loss_first"]
+    assert stats["warmup"]["loss_final"] < 0.25 * stats["warmup"]["loss_first"]
     processor = AutoProcessor.from_pretrained(tmp_path / "model", min_pixels=data["min_pixels"], max_pixels=data["max_pixels"])
     processor.tokenizer.padding_side = "left"
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "model").eval()
@@ -340,9 +354,38 @@ def test_default_warmup_teaches_format_at_t1_but_leaves_greedy_unformatted_and_a
         keys = torch.tensor([sample_key(cfg["seed"], i, j) for i in range(len(rows)) for j in range(n)])
         out = engine.generate(prompts.repeat_interleave(n), keys, SamplingParams(temperature, 1.0, data["max_response_length"]), 64)
         graded = [r1v(text, row["answer"]) for text, row in zip(out.texts, (r for r in rows for _ in range(n)))]
-        return {k: float(np.mean([g[k] for g in graded])) for k in ("format", "accuracy")}
+        return {"texts": out.texts, **{k: float(np.mean([g[k] for g in graded])) for k in ("format", "accuracy")}}
 
     sampled, greedy = scores(1.0, 4), scores(0.0, 1)
     assert 0.05 < sampled["format"] < 0.6  # parseable some of the time: something for GRPO to reinforce
     assert greedy["format"] == 0.0  # greedy validation starts unformatted, as Qwen2.5-VL-3B on Geometry3K
-    assert 0.1 < greedy["accuracy"] < 0.4  # and at chance: the warm-up never taught the answer
+    # and at chance: one answer whatever the figure (the warm-up's most frequent, "180"), right on the
+    # quarter of the balanced rows that hold one triangle, as the best text-only policy is
+    assert {re.sub(r"\d+", "#", t) for t in greedy["texts"]} == {"The answer is <answer> # </answer>"}
+    assert {re.findall(r"\d+", t)[0] for t in greedy["texts"]} == {"180"}
+    assert greedy["accuracy"] == 0.25
+
+    # The grounding term keeps the figure prominent where the answer is written (the count explains
+    # most of the hidden state's variance there); without it, the figure fades to a faint direction.
+    answer_start = "<think> Each triangle has 180 degrees. </think><answer> "
+    at_answer = PromptBatch.from_processor(
+        encode_prompts(processor, [{**e, "prompt": e["prompt"] + answer_start} for e in encoded]), [1] * len(rows)
+    )
+    counts = torch.tensor([int(row["answer"]) // 180 for row in rows])
+    ungrounded = tmp_path / "ungrounded"
+    make_model(config.deep_merge(cfg, {"demo": {"warmup_grounding_coef": 0.0}}), ungrounded)
+    share = {
+        name: count_share_of_variance(AutoModelForImageTextToText.from_pretrained(folder).eval(), at_answer, counts)
+        for name, folder in (("grounded", tmp_path / "model"), ("ungrounded", ungrounded))
+    }
+    assert share["grounded"] > 0.6 and share["ungrounded"] < 0.3, share
+
+
+def count_share_of_variance(model, prompts: PromptBatch, counts: torch.Tensor) -> float:
+    """Share of the variance of the final hidden state at the prompts' last position that the
+    triangle count (N,) explains: between-count variance / total."""
+    with torch.no_grad():
+        hidden = model.model(**prompts.model_inputs(), use_cache=False).last_hidden_state[:, -1]  # (N, H)
+    mean = hidden.mean(0)
+    count_means = torch.stack([hidden[counts == k].mean(0) for k in counts.tolist()])  # (N, H)
+    return float(((count_means - mean) ** 2).sum() / ((hidden - mean) ** 2).sum())

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from vlgrpo.data import IMAGE_FACTOR
-from vlgrpo.demo.warmup import fit
+from vlgrpo.demo.fit import fit
 
 TARGETS_PER_TOKEN = 6  # R, G, B means and standard deviations, in [0, 1]
 

@@ -1,7 +1,11 @@
 """Synthetic responses for the demo's supervised warm-up: the language and the format, never the answer.
 
 The triangle count in a response is drawn at random, independently of the image, so a model
-trained on these texts answers at chance. A fraction of the responses reasons in the format the
+trained on these texts answers at chance. The draw favours one triangle (COUNT_WEIGHTS), so that
+the greedy answer after the warm-up is the constant "180" (the text-only policy: right on 1/4 of
+the balanced rows) and not a near-tie between four equally likely answers that image features
+could break either way. The reasoning never states a count: the answer is the one decision GRPO
+must learn to read off the image. A fraction of the responses reasons in the format the
 template asks for; the rest skip the reasoning and give the bare answer, which the format reward
 rejects but the accuracy reward still grades. Keeping that fraction below 1/2 puts the malformed
 answer on the greedy path: after the warm-up, greedy validation scores format 0 and chance
@@ -19,12 +23,13 @@ import numpy as np
 
 from vlgrpo.demo.task import MAX_TRIANGLES, answer_for
 
-# Phrasings start with a word other than the bare answer's "The", and the count never follows a tag,
-# so no prefix of a well-formatted response looks like one of a bare answer (the model would mix them).
+# Phrasings start with a word other than the bare answer's "The", so no prefix of a well-formatted
+# response looks like one of a bare answer (the model would mix them).
+COUNT_WEIGHTS = (0.4, 0.2, 0.2, 0.2)  # of 1..MAX_TRIANGLES triangles; greedy log-prob margin log 2
 REASONING = (
-    "There are {k} triangles, so {k} x 180 = {a}.",
-    "I see {k} triangles, and {k} x 180 = {a}.",
-    "I count {k} triangles, so the sum is {k} x 180 = {a}.",
+    "Each triangle has 180 degrees.",
+    "A triangle's angles sum to 180.",
+    "Count the triangles, times 180.",
 )
 
 
@@ -52,6 +57,6 @@ def warmup_response(rng: np.random.Generator, template: str, well_formatted_frac
             f"the demo warm-up writes responses for the format templates {', '.join(WRITERS)}, "
             f"not for data.format_prompt={template!r}"
         )
-    k = int(rng.integers(1, MAX_TRIANGLES + 1))
-    reasoning = REASONING[int(rng.integers(len(REASONING)))].format(k=k, a=answer_for(k))
+    k = int(rng.choice(np.arange(1, MAX_TRIANGLES + 1), p=COUNT_WEIGHTS))
+    reasoning = REASONING[int(rng.integers(len(REASONING)))]
     return writer(reasoning, answer_for(k), bool(rng.random() < well_formatted_fraction))

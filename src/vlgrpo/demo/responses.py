@@ -23,9 +23,9 @@ import numpy as np
 
 from vlgrpo.demo.task import MAX_TRIANGLES, answer_for
 
+COUNT_WEIGHTS = (0.4, 0.2, 0.2, 0.2)  # of 1..MAX_TRIANGLES triangles; greedy log-prob margin log 2
 # Phrasings start with a word other than the bare answer's "The", so no prefix of a well-formatted
 # response looks like one of a bare answer (the model would mix them).
-COUNT_WEIGHTS = (0.4, 0.2, 0.2, 0.2)  # of 1..MAX_TRIANGLES triangles; greedy log-prob margin log 2
 REASONING = (
     "Each triangle has 180 degrees.",
     "A triangle's angles sum to 180.",

@@ -27,7 +27,8 @@ def demo_base(tmp_path_factory):
         overrides={
             "results_dir": str(root / "results"),
             "demo": {"out_dir": str(root / "_demo"), "n_train": 64, "n_val": 16, "n_test": 16, "warmup_steps": 30},
-            "model": {"path": str(root / "_demo" / "tiny_qwen2_5_vl")},
+            # The tower trains, as in the 3B recipe, so the tests cover its gradients (the demo freezes it).
+            "model": {"path": str(root / "_demo" / "tiny_qwen2_5_vl"), "freeze_vision_tower": False},
             "data": {"train": str(synth / "train.parquet"), "val": str(synth / "test.parquet")},
             "trainer": {"max_steps": 10, "save_freq": 5, "val_freq": 5, "stall_timeout_s": 30},
         },

@@ -87,9 +87,10 @@ def load_model(path: str | os.PathLike, model_cfg: dict, device: torch.device, t
     return prepare_model(model, model_cfg, device, trainable)
 
 
-def _fused_rms_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """An RMSNorm module's forward as one F.rms_norm call (float32 inside, one rounding)."""
-    return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon)
+def fused_rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm module `norm` (weight, variance_epsilon) applied to x as one F.rms_norm call
+    (float32 inside, one rounding); also its forward when set_fused_rms_norm binds it."""
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
 def set_fused_rms_norm(model, fused: bool) -> None:
@@ -101,7 +102,7 @@ def set_fused_rms_norm(model, fused: bool) -> None:
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
             if fused:
-                module.forward = types.MethodType(_fused_rms_norm, module)
+                module.forward = types.MethodType(fused_rms_norm, module)
             else:
                 module.__dict__.pop("forward", None)
 

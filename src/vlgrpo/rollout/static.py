@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from vlgrpo.batch import PromptBatch
-from vlgrpo.policy import prefix_forward, prompt_runs
+from vlgrpo.policy import fused_rms_norm, prefix_forward, prompt_runs
 from vlgrpo.rollout import SamplingParams
 from vlgrpo.rollout.hf import HFEngine
 from vlgrpo.rollout.sampling import keyed_sample
@@ -38,11 +38,6 @@ EOS_CHECK_EVERY = 32  # decode steps between host checks that every row has ende
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    """The model's RMSNorm module (weight, variance_epsilon) as one fused call: fewer kernels in the decode step."""
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
 class _Decoder:
@@ -85,7 +80,7 @@ class _Decoder:
         group = self.heads // self.kv_heads
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h = _rms_norm(layer.input_layernorm, x)
+            h = fused_rms_norm(layer.input_layernorm, x)
             q, k = attn.q_proj(h).view(rows, self.heads, self.head_dim), attn.k_proj(h).view(rows, self.kv_heads, self.head_dim)
             qk = torch.cat([q, k], dim=1)
             v = attn.v_proj(h).view(rows, self.kv_heads, self.head_dim)
@@ -98,8 +93,8 @@ class _Decoder:
                 q.view(rows, self.kv_heads, group, self.head_dim), self.k[i], self.v[i], attn_mask=attend, scale=attn.scaling
             )
             x = x + attn.o_proj(o.reshape(rows, self.heads * self.head_dim))
-            x = x + layer.mlp(_rms_norm(layer.post_attention_layernorm, x))
-        logits = self.head(_rms_norm(self.norm, x))
+            x = x + layer.mlp(fused_rms_norm(layer.post_attention_layernorm, x))
+        logits = self.head(fused_rms_norm(self.norm, x))
         p = self.params
         tokens, logp = keyed_sample(logits, self.keys, t + 1, p.temperature, p.top_p, self.banned)
         self.tokens.copy_(tokens)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import traceback
 
 import torch
 
@@ -34,20 +33,9 @@ from vlgrpo.rollout import SamplingParams
 from vlgrpo.rollout.sampling import keyed_sample
 from vlgrpo.trainer import GRPOTrainer
 
-out: dict = {}
-
-
-def say(*args):
-    print(*args, flush=True)
-
-
-def section(name, fn):
-    say(f"--- {name}")
-    try:
-        fn()
-    except Exception:
-        traceback.print_exc()
-        out.setdefault("errors", []).append(name)
+# The first diagnosis's printing, per-section error capture and CUDA-event timing, and `out`, the
+# dict written as JSON (this folder is on sys.path when a script in it runs).
+from diagnose_h200 import cuda_ms, out, say, section
 
 
 def micro_step(trainer, prompts, responses, mask, rows) -> float:
@@ -174,15 +162,8 @@ def main(argv=None):
         dec.keys.copy_(keys)
         dec.prompt_width.fill_(width)
         dec.step_index.zero_()
-        for _ in range(3):
-            dec.graph.replay()
+        res["decode_step_ms"] = cuda_ms(dec.graph.replay, reps=40)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(40):
-            dec.graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        res["decode_step_ms"] = begin.elapsed_time(end) / 40
         position = torch.zeros(1, device=device, dtype=torch.long)
         for top_p in (0.95, 1.0):
             begin.record()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from vlgrpo.rollout import fused_sampling
+
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31 keep every product of a 32-bit value below 2**63 (no int64 overflow).
 _M1, _M2, _M3 = 0x7FEB352D, 0x2C1B3C6D, 0x297A2D39
@@ -31,13 +33,18 @@ def sample_key(*parts: int) -> int:
     return int(h)
 
 
+def row_hash(keys: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
+    """The noise's per-row hash of (key, position): keys (N,) int64 -> (N,) int64 in [0, 2**32)."""
+    return _mix32(keys.to(torch.int64) * 31 + position * _M3)
+
+
 def uniform_noise(keys: torch.Tensor, position: int | torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniform (0, 1) noise, one value per (row, token).
 
     keys: (N,) int64 row keys; position: an int or a (1,) int64 tensor on keys' device (the static
     engine keeps it there); returns (N, V) float32 that depends only on (key, position, token).
     """
-    row = _as_int32(_mix32(keys.to(torch.int64) * 31 + position * _M3))[:, None]  # (N, 1)
+    row = _as_int32(row_hash(keys, position))[:, None]  # (N, 1)
     tok = _as_int32(_mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64) + _M1))[None, :]  # (1, V)
     h = _mix32_int32(row ^ tok)  # (N, V): the same 32 bits as _mix32 in int64, half the memory traffic
     return (((h >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) / float(1 << 24)
@@ -93,7 +100,23 @@ def keyed_sample(
     placeholders, ids past the tokenizer). temperature 0 means greedy decoding.
     The returned log-prob is that of the full tempered distribution (no top-p, no ban), which is
     what the training forward recomputes (EasyR1/verl divide logits by T and nothing else).
+    On a GPU with Triton it runs as one kernel (fused_sampling), elsewhere as keyed_sample_torch.
     """
+    if fused_sampling.available(logits) and logits.stride(-1) == 1:
+        hashes = row_hash(keys.to(logits.device), position)
+        return fused_sampling.keyed_sample_fused(logits, hashes, temperature, top_p, banned)
+    return keyed_sample_torch(logits, keys, position, temperature, top_p, banned)
+
+
+def keyed_sample_torch(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    position: int | torch.Tensor,
+    temperature: float,
+    top_p: float,
+    banned: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """keyed_sample in PyTorch operations (any device): the definition the fused kernel follows."""
     scaled = logits.float() if temperature == 0 else logits.float() / temperature
     logp = scaled.log_softmax(dim=-1)
     allowed = scaled if banned is None else scaled.masked_fill(banned, float("-inf"))

@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,16 @@ def test_hash_ignores_options_at_their_default():
     assert config.config_hash(changed) != config.config_hash(cfg)
     part = {"data": {"min_pixels": cfg["data"]["min_pixels"]}}
     assert config.config_hash(part) != config.config_hash({"data": {"min_pixels": 1}})
+
+
+def test_cli_turns_on_expandable_cuda_segments_unless_the_user_set_the_allocator(monkeypatch):
+    from vlgrpo import cli
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    with pytest.raises(SystemExit):
+        cli.main(["resolve", "--help"])
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    with pytest.raises(SystemExit):
+        cli.main(["resolve", "--help"])
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"

@@ -175,6 +175,8 @@ def run_steps(trainer: GRPOTrainer, steps: range, device: torch.device, peak_tfl
     if device.type == "cuda":
         out["peak_memory_allocated_gb"] = max(r["perf/max_memory_allocated_gb"] for r in records)
         out["peak_memory_reserved_gb"] = max(r["perf/max_memory_reserved_gb"] for r in records)
+        out["cuda_malloc_calls"] = [r["perf/cuda_malloc_calls"] for r in records]
+        out["cuda_alloc_retries"] = [r["perf/cuda_alloc_retries"] for r in records]
     else:
         out["peak_memory_allocated_gb"] = out["peak_memory_reserved_gb"] = None  # not tracked on a CPU
     return out

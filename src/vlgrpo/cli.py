@@ -126,6 +126,10 @@ def cmd_bench(argv) -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    # Tensors of many sizes near the GPU's capacity: with expandable segments a new size extends a
+    # segment instead of a cudaMalloc, and a full cache is not flushed and retried (a device sync).
+    # Read when CUDA is first used; a user's own setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # report and bench own their argument parsers.
     if argv and argv[0] in ("report", "bench"):

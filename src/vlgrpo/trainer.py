@@ -209,6 +209,7 @@ class GRPOTrainer:
         n, timing = rollout_cfg["n"], {}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_accumulated_memory_stats()
         step_start = time.perf_counter()
         rows = [self.rows[i] for i in self.batch_indices(step)]
         with timer(timing, "gen"):
@@ -270,6 +271,9 @@ class GRPOTrainer:
         if self.device.type == "cuda":
             record["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
             record["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+            allocator = torch.cuda.memory_stats()  # this step's: cudaMalloc calls, flush-and-retry events
+            record["perf/cuda_malloc_calls"] = allocator.get("num_device_alloc", 0)
+            record["perf/cuda_alloc_retries"] = allocator.get("num_alloc_retries", 0)
         return record
 
     def update_actor(self, step, prompts: PromptBatch, out, old_logp, ref_logp, advantages) -> dict:

@@ -436,6 +436,33 @@ def test_encode_prompts_left_pads_a_batch(filtered, processor):
 
 
 @needs_shared
+def test_encode_prompts_on_a_device_moves_only_the_pixel_values(filtered, processor):
+    rows = load_filtered(filtered["parquet"])[:3]
+    default = encode_prompts(processor, rows)
+    explicit = encode_prompts(processor, rows, device="cpu")
+    assert set(explicit) == set(default) == {"input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw"}
+    for key, value in default.items():  # device="cpu" is the default, bit for bit
+        assert value.device.type == explicit[key].device.type == "cpu" and torch.equal(value, explicit[key]), key
+    # Another device (meta stands in for the GPU): the image processor's output lands there, the
+    # token ids and grids that host code reads stay on the CPU, unchanged.
+    meta = encode_prompts(processor, rows, device=torch.device("meta"))
+    assert meta["pixel_values"].device.type == "meta"
+    assert meta["pixel_values"].shape == default["pixel_values"].shape and meta["pixel_values"].dtype == torch.float32
+    for key in set(default) - {"pixel_values"}:
+        assert meta[key].device.type == "cpu" and torch.equal(meta[key], default[key]), key
+
+
+@needs_shared
+def test_decode_images_decodes_lazy_images_in_place(filtered):
+    images = [im for row in load_filtered(filtered["parquet"])[:5] for im in row["images"]]
+    assert all(im.tile for im in images)  # opened, not decoded
+    data.decode_images(images)
+    assert not any(im.tile for im in images)
+    again = [im for row in load_filtered(filtered["parquet"])[:5] for im in row["images"]]
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(images, again))
+
+
+@needs_shared
 def test_encode_prompts_refuses_a_processor_that_would_resize(filtered, saved_model, tmp_path):
     smaller = load_processor(str(saved_model), 12544, 50176)
     rows = load_filtered(filtered["parquet"])[:1]

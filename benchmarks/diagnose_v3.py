@@ -26,8 +26,7 @@ from vlgrpo import config as config_lib
 from vlgrpo import grpo, paths
 from vlgrpo.batch import PromptBatch
 from vlgrpo.bench import base_model, ensure_filtered, free, sync
-from vlgrpo.data import load_filtered
-from vlgrpo.evaluate import encode_in_parallel
+from vlgrpo.data import encode_prompts, load_filtered
 from vlgrpo.policy import resolve_device, response_logprobs
 from vlgrpo.rollout import SamplingParams
 from vlgrpo.rollout.sampling import keyed_sample
@@ -67,7 +66,7 @@ def main(argv=None):
     trainer.load(0, base=model)
     n, length = cfg["worker"]["rollout"]["n"], cfg["data"]["max_response_length"]
     rows = [trainer.rows[i] for i in trainer.batch_indices(2)]
-    enc = encode_in_parallel(trainer.processor, rows)
+    enc = encode_prompts(trainer.processor, rows, device)  # as the trainer: pixel values on the model's device
     prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(n)
     generator = torch.Generator().manual_seed(0)
     responses = torch.randint(0, len(trainer.processor.tokenizer), (len(prompts), length), generator=generator)
@@ -134,7 +133,8 @@ def main(argv=None):
         engine = trainer.engine
         val = load_filtered(paths.path(paths.FILTERED, config_lib.experiment_dir(cfg), split="val"))
         start = time.perf_counter()
-        enc = encode_in_parallel(trainer.processor, val)
+        enc = encode_prompts(trainer.processor, val, device)  # as the evaluator
+        sync(device)
         res = {"items": len(val), "encode_s": time.perf_counter() - start}
         batch = PromptBatch.from_processor(enc, [len(r["images"]) for r in val])
         params = SamplingParams(0.6, 0.95, length)

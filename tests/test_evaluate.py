@@ -25,7 +25,9 @@ def test_baseline_evaluation_writes_scored_generations(demo_base, tmp_path):
     assert record["val_response_length/max"] <= cfg["data"]["max_response_length"]
     assert record["val_response_length/clip_ratio"] == pytest.approx(
         sum(l["length"] == cfg["data"]["max_response_length"] for l in lines) / len(lines))
-    assert record["timing_s/validation"] > 0 and record["val/tokens_per_s"] > 0
+    assert record["val/tokens_per_s"] > 0
+    parts = [record[f"timing_s/{k}"] for k in ("encode", "generation", "scoring")]
+    assert all(t > 0 for t in parts) and sum(parts) <= record["timing_s/validation"]
     # The logged items are a fixed, seeded choice: the same at every step.
     assert [s["index"] for s in record["samples"]] == [lines[i]["index"] for i in logged_items(cfg["seed"], n_val, 4)]
     assert logged_items(1, 100, 8) == logged_items(1, 100, 8) != logged_items(2, 100, 8)

@@ -1,20 +1,67 @@
-"""Speed-ups that must give the same results: parallel encode and grading, the int32 noise hash."""
+"""Speed-ups that must give the same results: pixel values made on the model's device, parallel
+grading, the int32 noise hash."""
+
+from dataclasses import replace
 
 import torch
-from conftest import make_experiment
-from vlgrpo.data import encode_prompts, load_processor, load_filtered
-from vlgrpo.evaluate import encode_in_parallel
-from vlgrpo.rewards import Grading, score_responses, load_reward_function
-from vlgrpo.trainer import GRPOTrainer
+from vlgrpo import config, paths, rewards
+from vlgrpo.batch import PromptBatch, to_device
+from vlgrpo.data import encode_prompts, load_filtered, load_processor
+from vlgrpo.rewards import Grading, score_responses, load_reward_function, start_workers
 
-def test_parallel_encode_and_grading(demo_base, tmp_path):
-    t = GRPOTrainer(make_experiment(demo_base, tmp_path))
-    rows = t.rows[:9]
-    a = encode_prompts(t.processor, rows)
-    b = encode_in_parallel(t.processor, rows, workers=3)
-    assert set(a.keys()) == set(b.keys())
-    for k in a.keys():
-        assert torch.equal(a[k], b[k]), k
+
+def demo_prompts(cfg: dict, device=None) -> PromptBatch:
+    """Three validation prompts of the demo experiment, their pixel values encoded on `device`."""
+    rows = load_filtered(paths.path(paths.FILTERED, config.experiment_dir(cfg), split="val"))[:3]
+    processor = load_processor(cfg["model"]["path"], cfg["data"]["min_pixels"], cfg["data"]["max_pixels"])
+    return PromptBatch.from_processor(encode_prompts(processor, rows, device), [len(r["images"]) for r in rows])
+
+
+def test_prompt_batch_works_on_pixel_values_where_they_are(demo_base):
+    host, on_device = demo_prompts(demo_base), demo_prompts(demo_base, "cpu")
+    views = (lambda b: b, lambda b: b.select([2, 0, 0]), lambda b: b.repeat_interleave(2),
+             lambda b: b.repeat_interleave(2).to("cpu", torch.float64))
+    for view in views:  # device="cpu" encodes the same tensors, and every batch operation keeps them equal
+        a, b = view(host), view(on_device)
+        for name in ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw", "num_images"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    # Pixel values off the host (meta: no data, so any copy to the host would raise) stay there
+    # through select, repeat_interleave and to (which casts them on their device).
+    meta = replace(host, pixel_values=host.pixel_values.to("meta"))
+    for a, b in ((meta.select([2, 0, 0]), host.select([2, 0, 0])), (meta.repeat_interleave(2), host.repeat_interleave(2))):
+        assert a.pixel_values.device.type == "meta" and a.pixel_values.shape == b.pixel_values.shape
+        assert a.input_ids.device.type == "cpu" and torch.equal(a.input_ids, b.input_ids)
+    moved = meta.repeat_interleave(2).to("meta", torch.bfloat16)
+    assert moved.pixel_values.device.type == "meta" and moved.pixel_values.dtype == torch.bfloat16
+
+
+def test_to_device_pins_host_tensors_only(monkeypatch):
+    calls = []
+
+    def pin_memory(self):
+        calls.append(("pin", self.device.type))
+        return self
+
+    def to(self, target, non_blocking=False):
+        calls.append(("to", str(target), non_blocking))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    cuda = torch.device("cuda")
+    to_device(torch.zeros(4), cuda)  # from the host: pinned, then queued without waiting
+    assert calls == [("pin", "cpu"), ("to", "cuda", True)]
+    calls.clear()
+    to_device(torch.zeros(4, device="meta"), cuda)  # already off the host (pixel values made on a GPU): no pin_memory
+    assert calls == [("to", "cuda", False)]
+    calls.clear()
+    to_device(torch.zeros(4), torch.device("cpu"))
+    assert calls == [("to", "cpu", False)]
+
+
+def test_parallel_grading_on_started_workers():
+    start_workers(2)  # spawned before any grading asks for them
+    assert len(rewards._pool(2)._processes) == 2
     fn = load_reward_function("r1v", 0.5)
     texts = ["<think>x</think> <answer>3</answer>", "3", "no", "<answer>4</answer>"] * 5
     truths = ["3", "3", "4", "4"] * 5

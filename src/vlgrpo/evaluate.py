@@ -11,11 +11,9 @@ Launch: `vlgrpo evaluate --config results/<exp>/config.resolved.yaml --step N`.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -26,7 +24,7 @@ from vlgrpo.batch import PromptBatch
 from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
 from vlgrpo.data import encode_prompts, load_filtered, load_processor
 from vlgrpo.policy import load_model, resolve_device
-from vlgrpo.rewards import Grading, load_reward_function
+from vlgrpo.rewards import Grading, load_reward_function, start_workers
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.sampling import sample_key
 
@@ -49,32 +47,6 @@ def _length_stats(prefix: str, lengths: torch.Tensor, limit: int) -> dict:
     }
 
 
-def encode_in_parallel(processor, rows: list[dict], workers: int | None = None) -> dict:
-    """encode_prompts(processor, rows), the rows split into chunks encoded on several threads.
-
-    The chunks are left-padded to the longest prompt and joined: the same tensors as one call.
-    """
-    workers = min(8, os.cpu_count() or 1) if workers is None else workers
-    if workers < 2 or len(rows) < 2 * workers:
-        return encode_prompts(processor, rows)
-    size = -(-len(rows) // workers)
-    starts = range(0, len(rows), size)
-    copies = [copy.deepcopy(processor) for _ in starts]  # one each: a tokenizer's padding state is not thread-safe
-    with ThreadPoolExecutor(len(copies)) as pool:
-        parts = list(pool.map(lambda k: encode_prompts(copies[k], rows[starts[k] : starts[k] + size]), range(len(copies))))
-    width = max(p["input_ids"].shape[1] for p in parts)
-    pads = {"input_ids": processor.tokenizer.pad_token_id, "attention_mask": 0, "mm_token_type_ids": 0}
-    out = {}
-    for key in parts[0].keys():
-        if key in pads:
-            out[key] = torch.cat([torch.nn.functional.pad(p[key], (width - p[key].shape[1], 0), value=pads[key]) for p in parts])
-        elif key in ("pixel_values", "image_grid_thw"):
-            out[key] = torch.cat([p[key] for p in parts])
-        else:
-            raise KeyError(f"encode_in_parallel does not know how to join the processor output {key!r}")
-    return out
-
-
 def model_path_for(cfg: dict, step: int) -> str:
     """The base model for step 0, else the model folder of checkpoint `step`."""
     if step == 0:
@@ -94,6 +66,7 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     model: an in-memory model to validate instead of loading step's (the benchmark's random weights).
     """
     start = time.perf_counter()
+    start_workers()  # the grading processes spawn and import while the model loads and generates
     exp = config_lib.experiment_dir(cfg)
     data, val = cfg["data"], cfg["worker"]["rollout"]["val_override_config"]
     device = resolve_device(cfg["trainer"]["device"])
@@ -107,16 +80,19 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))
 
     n = val["n"]
-    enc = encode_in_parallel(processor, rows)
+    encode_start = time.perf_counter()
+    enc = encode_prompts(processor, rows, device)  # pixel values made on the model's device: no host copy of them
     prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(n)
     keys = torch.tensor([sample_key(cfg["seed"], VAL_STREAM, r["index"], j) for r in rows for j in range(n)])
     params = SamplingParams(val["temperature"], val["top_p"], data["max_response_length"])
     batch = data["val_batch_size"] if data["val_batch_size"] > 0 else len(prompts)
     gen_start = time.perf_counter()
     out = engine.generate(prompts, keys, params, batch_size=batch, progress=True)
-    gen_s = time.perf_counter() - gen_start
+    score_start = time.perf_counter()
     answers = [r["answer"] for r in rows for _ in range(n)]
     scores, errors = Grading(reward_fn, out.texts, answers).result()  # on several CPU cores where there are
+    timing = {"encode": gen_start - encode_start, "generation": score_start - gen_start,
+              "scoring": time.perf_counter() - score_start}
 
     def mean(key):
         return sum(s[key] for s in scores) / len(scores)
@@ -132,8 +108,8 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
         "val/reward_errors": errors,
         **_length_stats("val_response_length", out.lengths, data["max_response_length"]),
         **_length_stats("val_prompt_length", prompts.attention_mask.sum(-1), data["max_prompt_length"]),
-        "val/tokens_per_s": float(out.lengths.sum()) / gen_s,
-        "timing_s/generation": gen_s,
+        "val/tokens_per_s": float(out.lengths.sum()) / timing["generation"],
+        **{f"timing_s/{k}": v for k, v in timing.items()},
     }
     record["samples"] = [
         {

@@ -133,7 +133,7 @@ def step_flops(trainer: GRPOTrainer, step: int, response_tokens: float) -> float
     """
     cfg = trainer.cfg
     rows = [trainer.rows[i] for i in trainer.batch_indices(step)]
-    enc = encode_prompts(trainer.processor, rows)
+    enc = encode_prompts(trainer.processor, rows, trainer.device)  # only lengths and grids are read
     prompt_tokens = enc["attention_mask"].sum(-1).tolist()
     patches, first = enc["image_grid_thw"].prod(-1).tolist(), [0]
     for r in rows:
@@ -185,7 +185,8 @@ def run_steps(trainer: GRPOTrainer, steps: range, device: torch.device, peak_tfl
 def greedy_check(trainer: GRPOTrainer, prompts_count: int = 4, tokens: int = 64) -> dict:
     """Greedy tokens of the configured engine against the hf engine on the same weights."""
     rows = trainer.rows[:prompts_count]
-    prompts = PromptBatch.from_processor(encode_prompts(trainer.processor, rows), [len(r["images"]) for r in rows]).repeat_interleave(2)
+    enc = encode_prompts(trainer.processor, rows, trainer.device)  # as the step encodes them
+    prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(2)
     keys, params = torch.arange(len(prompts)), SamplingParams(0.0, 1.0, tokens, ignore_eos=True)
     fast = trainer.engine.generate(prompts, keys, params, batch_size=len(prompts)).responses
     plain = make_engine("hf", trainer.policy, trainer.processor).generate(prompts, keys, params, batch_size=len(prompts)).responses
@@ -199,7 +200,8 @@ def eval_time(cfg: dict, model) -> dict:
     start = time.perf_counter()
     record = evaluate.evaluate(cfg, 0, model=model)
     return {"items": len(load_filtered(paths.path(paths.FILTERED, config_lib.experiment_dir(cfg), split="val"))),
-            "eval_s": time.perf_counter() - start, "generate_s": record["timing_s/generation"],
+            "eval_s": time.perf_counter() - start, "encode_s": record["timing_s/encode"],
+            "generate_s": record["timing_s/generation"], "scoring_s": record["timing_s/scoring"],
             "tokens_per_s": record["val/tokens_per_s"], "response_length_mean": record["val_response_length/mean"]}
 
 

@@ -213,7 +213,7 @@ class GRPOTrainer:
         step_start = time.perf_counter()
         rows = [self.rows[i] for i in self.batch_indices(step)]
         with timer(timing, "gen"):
-            enc = encode_prompts(self.processor, rows)
+            enc = encode_prompts(self.processor, rows, self.device)  # pixels made on the model's device: no host copies on a GPU
             prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(n)
             keys = torch.tensor([sample_key(cfg["seed"], step, r["index"], j) for r in rows for j in range(n)])
             params = SamplingParams(

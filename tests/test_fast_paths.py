@@ -47,11 +47,12 @@ def test_prompt_runs_find_each_prompts_samples(trainer):
     first, source = prompt_runs(prompts)
     assert first == [0, 3, 6]
     assert source.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    # Same text, different image: not a run.
-    swapped = prompts.select([0, 1])
-    swapped.pixel_values = swapped.pixel_values.clone()
-    swapped.pixel_values[-1] += 1
-    assert prompt_runs(swapped)[0] == [0, 1]
+    # Two encoded prompts with the same text and image are two runs; a selection keeps its runs.
+    row = trainer.rows[0]
+    twins = PromptBatch.from_processor(encode_prompts(trainer.processor, [row, row]), [1, 1])
+    assert torch.equal(twins.input_ids[0], twins.input_ids[1]) and prompt_runs(twins)[0] == [0, 1]
+    assert prompt_runs(twins.repeat_interleave(2))[0] == [0, 2]
+    assert prompt_runs(prompts.select([3, 4, 0, 1, 2]))[0] == [0, 2]
 
 
 def test_shared_prefix_chunked_logprobs_equal_plain(trainer):

@@ -34,7 +34,8 @@ class PromptBatch:
     mm_token_type_ids: torch.Tensor | None  # (N, P) 1 on image tokens (transformers 5), else None
     pixel_values: torch.Tensor | None  # (sum of patches over all images, D); None without images or where only the grids are kept
     image_grid_thw: torch.Tensor | None  # (num images, 3)
-    num_images: torch.Tensor  # (N,) images of each row, in order
+    num_images: torch.Tensor  # (N,) images of each row, in order; stays on the CPU
+    prompt_ids: torch.Tensor  # (N,) the encoded prompt each row is a copy of (selects keep it); stays on the CPU
 
     @classmethod
     def from_processor(cls, enc, num_images: list[int]) -> "PromptBatch":
@@ -46,6 +47,7 @@ class PromptBatch:
             pixel_values=enc.get("pixel_values"),
             image_grid_thw=enc.get("image_grid_thw"),
             num_images=torch.tensor(num_images, dtype=torch.long),
+            prompt_ids=torch.arange(len(num_images)),
         )
 
     def __len__(self) -> int:
@@ -88,6 +90,7 @@ class PromptBatch:
             pixel_values=pixel_values,
             image_grid_thw=image_grid_thw,
             num_images=self.num_images[rows],
+            prompt_ids=self.prompt_ids[rows],
         )
 
     def repeat_interleave(self, n: int) -> "PromptBatch":
@@ -95,11 +98,12 @@ class PromptBatch:
         return self.select(torch.arange(len(self)).repeat_interleave(n))
 
     def to(self, device, dtype: torch.dtype | None = None) -> "PromptBatch":
-        """Move to `device` (with to_device); pixel values also take the model's dtype."""
+        """Move the model inputs to `device` (with to_device); pixel values also take the model's dtype.
+        The bookkeeping (num_images, prompt_ids) stays on the CPU, where select reads it."""
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None:
+            if value is not None and f.name not in ("num_images", "prompt_ids"):
                 value = to_device(value, torch.device(device), dtype if f.name == "pixel_values" else None)
             moved[f.name] = value
         return replace(self, **moved)

@@ -147,29 +147,15 @@ class ForwardOptions:
 
 
 def prompt_runs(prompts: PromptBatch) -> tuple[list[int], torch.Tensor]:
-    """Runs of identical consecutive rows (the n samples of a prompt): ids, mask and images equal.
+    """Runs of consecutive rows that are copies of one encoded prompt (the n samples of a prompt).
 
+    Read from prompt_ids on the host: no comparison of pixel values (which may live on the GPU).
     Returns the first row of each run (U) and each row's run index, (N,) long.
     """
-    grids = prompts.image_grid_thw
-    patches = [0] + (grids.prod(-1).cumsum(0).tolist() if grids is not None else [])
-    images = [0] + prompts.num_images.cumsum(0).tolist()
-
-    def image_rows(r):  # (image slice, pixel-row slice) of row r
-        return slice(images[r], images[r + 1]), slice(patches[images[r]], patches[images[r + 1]])
-
-    def same(r):
-        if not (torch.equal(prompts.input_ids[r], prompts.input_ids[r - 1])
-                and torch.equal(prompts.attention_mask[r], prompts.attention_mask[r - 1])):
-            return False
-        if grids is None:
-            return True
-        (gi, pi), (gj, pj) = image_rows(r), image_rows(r - 1)
-        return torch.equal(grids[gi], grids[gj]) and torch.equal(prompts.pixel_values[pi], prompts.pixel_values[pj])
-
+    ids = prompts.prompt_ids.tolist()
     first, source = [], []
-    for r in range(len(prompts)):
-        if not (r and same(r)):
+    for r in range(len(ids)):
+        if r == 0 or ids[r] != ids[r - 1]:
             first.append(r)
         source.append(len(first) - 1)
     return first, torch.tensor(source, dtype=torch.long)

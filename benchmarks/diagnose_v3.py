@@ -11,7 +11,7 @@ Same model (random weights), data and trainer as `vlgrpo bench`, but no rollout:
      self time, and how often the host waited (synchronize / item / blocking copies);
   3. the evaluator's generation split: host->device copy, prefill of 601 prompts, decode-step replay
      at 601 rows (T 0.6, top-p 0.95) and keyed sampling alone.
-Prints as it goes; writes JSON after each section.
+Prints as it goes; writes JSON after each section. --sections budgets,profiled,eval picks a subset.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="configs/bench_h200.yaml")
     parser.add_argument("--out", default="diag_v3.json")
+    parser.add_argument("--sections", default="budgets,profiled,eval", help="comma-separated subset to run")
     args = parser.parse_args(argv)
+    wanted = set(args.sections.split(","))
 
     def write():
         with open(args.out, "w") as f:
@@ -98,8 +100,9 @@ def main(argv=None):
             say(micro, res[micro])
         out["micro_batch"] = res
 
-    section("update micro-batches by token budget", budgets)
-    write()
+    if "budgets" in wanted:
+        section("update micro-batches by token budget", budgets)
+        write()
 
     def profiled():
         batch = trainer._micro_batches(prompts, mask, list(range(len(prompts) // 2)), 8)[0]
@@ -125,8 +128,9 @@ def main(argv=None):
         for row in out["profiled_micro_batch"]["top_host"]:
             say("  ", row)
 
-    section("one micro-batch of 8 rows under the profiler", profiled)
-    write()
+    if "profiled" in wanted:
+        section("one micro-batch of 8 rows under the profiler", profiled)
+        write()
     trainer.policy.eval()
 
     def eval_pieces():
@@ -175,8 +179,9 @@ def main(argv=None):
         out["eval"] = res
         say(res)
 
-    section("evaluator pieces", eval_pieces)
-    write()
+    if "eval" in wanted:
+        section("evaluator pieces", eval_pieces)
+        write()
 
 
 if __name__ == "__main__":

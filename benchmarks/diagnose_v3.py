@@ -11,7 +11,9 @@ Same model (random weights), data and trainer as `vlgrpo bench`, but no rollout:
      self time, and how often the host waited (synchronize / item / blocking copies);
   3. the evaluator's generation split: host->device copy, prefill of 601 prompts, decode-step replay
      at 601 rows (T 0.6, top-p 0.95) and keyed sampling alone.
-Prints as it goes; writes JSON after each section. --sections budgets,profiled,eval picks a subset.
+With --sections eval,prefill_profile, the evaluator's prefill also runs under torch.profiler (wall,
+kernel seconds in and outside the vision tower, top kernels). Prints as it goes; writes JSON after
+each section. --sections picks a subset.
 """
 
 from __future__ import annotations
@@ -47,11 +49,48 @@ def micro_step(trainer, prompts, responses, mask, rows) -> float:
     return time.perf_counter() - start
 
 
+def profile_prefill(engine, sub, dec, model) -> dict:
+    """The evaluator's prefill under torch.profiler: wall, GPU kernel seconds inside and outside the
+    vision tower, and the kernels with the most GPU time."""
+    visual = model.model.visual
+    forward = visual.forward
+
+    def labelled(*args, **kwargs):
+        with torch.profiler.record_function("vlgrpo::visual"):
+            return forward(*args, **kwargs)
+
+    visual.forward = labelled
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    try:
+        with torch.profiler.profile(activities=acts) as prof, torch.no_grad():
+            start = time.perf_counter()
+            engine._prefill(sub, dec)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+    finally:
+        visual.forward = forward
+    events = prof.key_averages()
+    kernels = [e for e in events if str(e.device_type).endswith("CUDA")]
+    visual_range = [e for e in events if e.key == "vlgrpo::visual"]
+    res = {
+        "wall_s": wall,
+        "kernel_s": sum(e.self_device_time_total for e in kernels) / 1e6,
+        "visual_kernel_s": sum(e.device_time_total for e in visual_range) / 1e6,
+        "kernel_launches": sum(e.count for e in kernels),
+        "top_kernels": [(e.key[:120], e.count, e.self_device_time_total / 1e6) for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]],
+    }
+    say({k: v for k, v in res.items() if k != "top_kernels"})
+    for row in res["top_kernels"]:
+        say("  ", row)
+    return res
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="configs/bench_h200.yaml")
     parser.add_argument("--out", default="diag_v3.json")
-    parser.add_argument("--sections", default="budgets,profiled,eval", help="comma-separated subset to run")
+    parser.add_argument("--sections", default="budgets,profiled,eval", help="comma-separated subset to run (prefill_profile: also the eval's prefill under the profiler)")
     args = parser.parse_args(argv)
     wanted = set(args.sections.split(","))
 
@@ -158,6 +197,8 @@ def main(argv=None):
             logits = engine._prefill(sub, dec)
         sync(device)
         res["prefill_s"] = time.perf_counter() - start
+        if "prefill_profile" in wanted and cuda:
+            res["prefill_profile"] = profile_prefill(engine, sub, dec, model)
         if not cuda:  # no graph to replay
             out["eval"] = res
             say(res)

@@ -68,3 +68,22 @@ def test_kernel_samples_the_same_tokens_as_the_pytorch_form(child):
 def test_kernel_keeps_every_token_tied_at_the_nucleus_edge(child):
     assert child["tied_0.5"] == [0, 1, 2, 3]
     assert child["tied_0.3"] == [0]
+
+
+def test_kernels_compile_for_an_h200_without_a_gpu():
+    """The interpreter runs what the compiler may reject (a loop-carried value changing shape, say):
+    compile each kernel variant for sm_90 ahead of time, as the H200 would, down to its machine code."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from vlgrpo.rollout import fused_sampling
+
+    pointers = {"logits_ptr": "*bf16", "row_stride": "i32", "banned_ptr": "*u8", "row_hash_ptr": "*i64",
+                "tokens_ptr": "*i64", "logp_ptr": "*fp32", "V": "i32", "temperature": "fp32", "top_p": "fp32"}
+    common = {"HAS_BANNED": True, "KEY_BITS": 16, "BLOCK": fused_sampling.BLOCK, "INTERPRET": False}
+    variants = [(fused_sampling._sample_kernel, common | {"GREEDY": g, "TOP_P": t}) for g, t in ((False, False), (False, True), (True, False))]
+    variants.append((fused_sampling._nucleus_kernel, common))
+    for kernel, constants in variants:
+        source = triton.compiler.ASTSource(fn=kernel, signature=pointers | dict.fromkeys(constants, "constexpr"), constexprs=constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        assert compiled.asm["cubin"], (kernel.fn.__name__, constants)

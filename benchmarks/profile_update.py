@@ -88,7 +88,9 @@ def main(argv=None) -> dict:
         out["update_step3_profiled"] = {
             "wall_s": wall,
             "kernel_s": kernels / 1e6,
-            "labelled_ms": {e.key: (e.count, round(e.cpu_time_total / 1e3, 1)) for e in host if e.key.startswith("vlgrpo::")},
+            # per label: calls, host ms inclusive, GPU ms of the kernels launched inside
+            "labelled_ms": {e.key: (e.count, round(e.cpu_time_total / 1e3, 1), round(getattr(e, "device_time_total", 0) / 1e3, 1))
+                            for e in host if e.key.startswith("vlgrpo::")},
             "top_self_ms": [(e.key, e.count, round(e.self_cpu_time_total / 1e3, 1))
                             for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:30]],
             "counts": {e.key: e.count for e in host if any(w in e.key for w in (

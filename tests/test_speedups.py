@@ -74,8 +74,19 @@ def test_int32_noise_is_the_int64_noise_bit_for_bit():
     def int64_noise(keys, position, vocab):  # the previous implementation
         row = S._mix32(keys.to(torch.int64) * 31 + position * S._M3)[:, None]
         tok = S._mix32(torch.arange(vocab, dtype=torch.int64) + S._M1)[None, :]
-        return ((S._mix32(row ^ tok) >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+        return S.unit_interval(S._mix32(row ^ tok))
 
     keys = torch.randint(0, 2**32, (16,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
     for position in (0, 1, 511, torch.tensor([7]), 2**31 + 5):
         assert torch.equal(S.uniform_noise(keys, position, 5000), int64_noise(keys, position, 5000))
+
+
+def test_noise_stays_inside_the_open_unit_interval_at_the_extreme_hashes():
+    from vlgrpo.rollout import sampling as S
+
+    extremes = torch.tensor([0, 1, 2**23 - 1, 2**31 - 1, -(2**31), -1], dtype=torch.int32)  # -1: all 32 bits set
+    for h in (extremes, extremes.to(torch.int64) & 0xFFFFFFFF):
+        u = S.unit_interval(h)
+        assert bool(((u > 0) & (u < 1)).all()), u
+        assert bool(torch.isfinite(-torch.log(-torch.log(u))).all())
+    assert float(S.unit_interval(torch.tensor([-1], dtype=torch.int32))) == 1 - 0.5 / 2**23

@@ -72,7 +72,7 @@ if triton is not None:
         """sampling.uniform_noise's value for these tokens of the row, as Gumbel noise -log(-log(u))."""
         token_hash = _mix32(offs.to(tl.uint32) + 0x7FEB352D)
         h = _mix32(row_hash ^ token_hash)
-        u = (((h >> 8) & 0xFFFFFF).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # 2**-24: exact, as /
+        u = (((h >> 9) & 0x7FFFFF).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # sampling.unit_interval; 2**-23: exact, as /
         if INTERPRET:  # numpy's log: the interpreter has no libdevice
             return -tl.log(-tl.log(u))
         return -libdevice.log(-libdevice.log(u))

@@ -47,7 +47,18 @@ def uniform_noise(keys: torch.Tensor, position: int | torch.Tensor, vocab_size: 
     row = _as_int32(row_hash(keys, position))[:, None]  # (N, 1)
     tok = _as_int32(_mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64) + _M1))[None, :]  # (1, V)
     h = _mix32_int32(row ^ tok)  # (N, V): the same 32 bits as _mix32 in int64, half the memory traffic
-    return (((h >> 8) & 0xFFFFFF).to(torch.float32) + 0.5) / float(1 << 24)
+    return unit_interval(h)
+
+
+def unit_interval(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int32 or int64) -> float32 in (0, 1), both ends excluded: the top 23 bits, centred.
+
+    (k + 0.5) / 2**23 for k < 2**23 is exact in float32 (spacing 0.5 below 2**23), so u < 1 and
+    -log(-log(u)) is finite. With 24 bits, k = 2**24 - 1 rounded to u = 1.0: infinite Gumbel noise
+    for 1 token in 2**24, about one per 110 decode-step rows at Qwen's vocabulary, sampled whatever
+    its probability.
+    """
+    return (((h >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) / float(1 << 23)
 
 
 def _as_int32(x: torch.Tensor) -> torch.Tensor:

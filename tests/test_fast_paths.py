@@ -9,8 +9,8 @@ import torch
 from conftest import make_experiment
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data import encode_prompts, render_prompt
-from vlgrpo.policy import (ForwardOptions, micro_batches, prefix_forward, prepare_model, prompt_runs, response_logprobs,
-                           set_fused_rms_norm, vision_index)
+from vlgrpo.policy import (ForwardOptions, aligned_mlp, micro_batches, prefix_forward, prepare_model, prompt_runs,
+                           response_logprobs, set_aligned_vision_mlp, set_fused_rms_norm, vision_index)
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.sampling import sample_key
 from vlgrpo.trainer import GRPOTrainer
@@ -115,6 +115,41 @@ def test_fused_rms_norm_gives_the_models_forward(trainer):
     assert (fused - own).abs().max() <= 1e-5 * own.abs().max()
 
 
+def test_aligned_mlp_gives_the_mlps_output_and_gradients():
+    """A vision MLP 44 wide (not a multiple of 8), with biases, as Qwen2.5-VL's 3,420."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
+
+    torch.manual_seed(0)
+    mlp = Qwen2_5_VLMLP(Qwen2_5_VLVisionConfig(hidden_size=16, intermediate_size=44, hidden_act="silu"), bias=True).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    grads = {}
+    for name, fn in (("own", mlp.forward), ("aligned", lambda h: aligned_mlp(mlp, h))):
+        mlp.zero_grad()
+        x.grad = None
+        y = fn(x)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        grads[name] = [y.detach(), x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
+    assert [g.shape for g in grads["aligned"]] == [g.shape for g in grads["own"]]
+    for own, aligned in zip(grads["own"], grads["aligned"]):
+        assert torch.allclose(aligned, own, rtol=1e-12, atol=1e-12)
+
+
+def test_aligned_vision_mlp_binds_only_the_vision_towers_unaligned_mlps(trainer):
+    model = copy.deepcopy(trainer.policy)
+    for block in model.model.visual.blocks:  # the demo's vision MLP is 128 wide: aligned already
+        assert block.mlp.gate_proj.out_features % 8 == 0
+    set_aligned_vision_mlp(model, True)
+    assert not any("forward" in m.__dict__ for m in model.model.visual.modules())
+    block = model.model.visual.blocks[0]
+    block.mlp.gate_proj.out_features -= 1  # as if 127 wide: bound, and unbound when switched off
+    set_aligned_vision_mlp(model, True)
+    assert block.mlp.forward.__func__ is aligned_mlp
+    assert not any("forward" in m.__dict__ for m in model.model.language_model.modules())
+    set_aligned_vision_mlp(model, False)
+    assert "forward" not in block.mlp.__dict__
+
+
 def test_packed_vision_attention_equals_per_window(trainer):
     """Windows of different sizes (ragged edges) and images of different sizes in one call."""
     model = copy.deepcopy(trainer.policy)
@@ -122,7 +157,8 @@ def test_packed_vision_attention_equals_per_window(trainer):
     vision = model.config.vision_config
     torch.manual_seed(0)
     pixels = torch.randn(int(grid.prod(-1).sum()), vision.in_channels * vision.temporal_patch_size * vision.patch_size**2)
-    cfg = {"packed_vision_attention": False, "attn_implementation": "sdpa", "gradient_checkpointing": False, "fused_rms_norm": False}
+    cfg = {"packed_vision_attention": False, "attn_implementation": "sdpa", "gradient_checkpointing": False, "fused_rms_norm": False,
+           "aligned_vision_mlp": False}
     with torch.no_grad():
         loop = torch.cat(model.model.get_image_features(pixels, grid).pooler_output)
         prepare_model(model, {**cfg, "packed_vision_attention": True}, torch.device("cpu"), trainable=False)
@@ -171,7 +207,8 @@ def test_dynamic_micro_batches_respect_the_token_budget(trainer):
 def test_a_fast_step_equals_the_plain_step(demo_base, tmp_path):
     """One whole GRPO step with every switch on gives the plain step's metrics."""
     records = {}
-    fast = {"model": {"packed_vision_attention": True, "gradient_checkpointing": False, "fused_rms_norm": True},
+    fast = {"model": {"packed_vision_attention": True, "gradient_checkpointing": False, "fused_rms_norm": True,
+                      "aligned_vision_mlp": True},
             "worker": {"rollout": {"engine": "static"},
                        "actor": {"dynamic_batching": True, "prefix_sharing": True, "logprobs_chunk_size": 64,
                                  "micro_batch_size_per_device_for_update": 3,

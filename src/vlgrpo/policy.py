@@ -107,6 +107,34 @@ def set_fused_rms_norm(model, fused: bool) -> None:
                 module.__dict__.pop("forward", None)
 
 
+def aligned_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    """A gated MLP (gate_proj, up_proj, down_proj, act_fn) with its intermediate size padded with zeros
+    to a multiple of 8 at compute time; also its forward when set_aligned_vision_mlp binds it.
+
+    Qwen2.5-VL's vision MLP is 3,420 wide: rows of 6,840 bytes, not a multiple of 16, which keeps
+    cuBLAS off Hopper's TMA kernels (measured on an H200 at 95k patches: 3.2 / 3.7 ms a GEMM at 3,420,
+    1.1 / 1.1 ms at 3,424). The padded units are act(0) * 0 = 0 and meet zero columns of down_proj, so
+    the output is the MLP's; the parameters keep their shapes (checkpoints unchanged) and their
+    gradients come back through the padding. gate and up run as one GEMM.
+    """
+    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    pad = -gate.out_features % 8
+    weight = torch.cat([F.pad(gate.weight, (0, 0, 0, pad)), F.pad(up.weight, (0, 0, 0, pad))])  # (2 I', H)
+    bias = None if gate.bias is None else torch.cat([F.pad(gate.bias, (0, pad)), F.pad(up.bias, (0, pad))])
+    g, u = F.linear(x, weight, bias).chunk(2, dim=-1)  # (..., I') each
+    return F.linear(mlp.act_fn(g) * u, F.pad(down.weight, (0, pad)), down.bias)
+
+
+def set_aligned_vision_mlp(model, aligned: bool) -> None:
+    """Run the vision tower's gated MLPs through aligned_mlp where their width is not a multiple of 8."""
+    for module in model.model.visual.modules():
+        if all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            if aligned and module.gate_proj.out_features % 8:
+                module.forward = types.MethodType(aligned_mlp, module)
+            else:
+                module.__dict__.pop("forward", None)
+
+
 def prepare_model(model, model_cfg: dict, device: torch.device, trainable: bool):
     """Move to `device` in eval mode and apply the model settings (also to an in-memory model)."""
     model = model.to(device)
@@ -114,6 +142,7 @@ def prepare_model(model, model_cfg: dict, device: torch.device, trainable: bool)
     vision = model.model.visual.config
     vision._attn_implementation = PACKED_VISION_ATTENTION if model_cfg["packed_vision_attention"] else model_cfg["attn_implementation"]
     set_fused_rms_norm(model, model_cfg["fused_rms_norm"])
+    set_aligned_vision_mlp(model, model_cfg["aligned_vision_mlp"])
     if trainable:
         if model_cfg["gradient_checkpointing"]:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
 from vlgrpo.batch import PromptBatch
@@ -32,6 +33,10 @@ from vlgrpo.rollout.sampling import keyed_sample
 
 WIDTH_BUCKET = 128  # cache widths are rounded up to this, so most steps reuse the captured graph
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward: bounds its activation memory
+# Prefill shapes are new on every call, and cuDNN's attention builds an execution plan per shape: the
+# evaluator's first prefill of 601 prompts took 14.9 s with it, 12.5 s without (H200). The decode
+# step, captured once per shape, keeps it (20.4 ms a step against 24.7 without).
+PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 EOS_CHECK_EVERY = 32  # decode steps between host checks that every row has ended
 
 
@@ -166,7 +171,8 @@ class StaticEngine(HFEngine):
         logits = None
         for chunk in chunks:
             rows_of_chunk = [first[u] for u in chunk]
-            pre = prefix_forward(self.model, sub.select(rows_of_chunk), host.select(rows_of_chunk))
+            with sdpa_kernel(PREFILL_ATTENTION):
+                pre = prefix_forward(self.model, sub.select(rows_of_chunk), host.select(rows_of_chunk))
             local_of = torch.full((len(first),), -1, dtype=torch.long, device=source.device)
             local_of[torch.tensor(chunk, device=source.device)] = torch.arange(len(chunk), device=source.device)
             rows = (local_of[source] >= 0).nonzero().squeeze(1)

@@ -44,7 +44,8 @@ log = logging.getLogger("vlgrpo.bench")
 
 # The plain path: the seed recipe's model and micro-batch settings, every speed switch at its default.
 PLAIN = {
-    "model": {"gradient_checkpointing": True, "packed_vision_attention": False, "fused_rms_norm": False, "aligned_vision_mlp": False},
+    "model": {"gradient_checkpointing": True, "packed_vision_attention": False, "fused_rms_norm": False, "aligned_vision_mlp": False,
+              "cudnn_attention": True},
     "worker": {
         "actor": {"micro_batch_size_per_device_for_update": 1, "micro_batch_size_per_device_for_experience": 1,
                   "dynamic_batching": False, "prefix_sharing": False, "logprobs_chunk_size": 0,

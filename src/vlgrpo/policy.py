@@ -143,6 +143,8 @@ def prepare_model(model, model_cfg: dict, device: torch.device, trainable: bool)
     vision._attn_implementation = PACKED_VISION_ATTENTION if model_cfg["packed_vision_attention"] else model_cfg["attn_implementation"]
     set_fused_rms_norm(model, model_cfg["fused_rms_norm"])
     set_aligned_vision_mlp(model, model_cfg["aligned_vision_mlp"])
+    if device.type == "cuda":  # process-wide (a torch switch); the static engine's captured decode step keeps cuDNN
+        torch.backends.cuda.enable_cudnn_sdp(model_cfg["cudnn_attention"])
     if trainable:
         if model_cfg["gradient_checkpointing"]:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -33,10 +33,10 @@ from vlgrpo.rollout.sampling import keyed_sample
 
 WIDTH_BUCKET = 128  # cache widths are rounded up to this, so most steps reuse the captured graph
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward: bounds its activation memory
-# Prefill shapes are new on every call, and cuDNN's attention builds an execution plan per shape: the
-# evaluator's first prefill of 601 prompts took 14.9 s with it, 12.5 s without (H200). The decode
-# step, captured once per shape, keeps it (20.4 ms a step against 24.7 without).
-PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# The captured decode step may use cuDNN's attention whatever model.cudnn_attention says: its shape
+# is fixed, so cuDNN builds its execution plan once (H200, 601 rows: 20.4 ms a step with it, 24.7
+# with memory-efficient attention).
+DECODE_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 EOS_CHECK_EVERY = 32  # decode steps between host checks that every row has ended
 
 
@@ -112,12 +112,13 @@ class _Decoder:
         """Record the step as a CUDA graph (one eager warm-up on a side stream first, as CUDA graphs need)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.step()
+        with sdpa_kernel(DECODE_ATTENTION):
+            with torch.cuda.stream(stream):
+                self.step()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.step()
 
     def run(self, steps: int, stop_at_eos: bool, progress) -> None:
         for i in range(steps):
@@ -171,8 +172,7 @@ class StaticEngine(HFEngine):
         logits = None
         for chunk in chunks:
             rows_of_chunk = [first[u] for u in chunk]
-            with sdpa_kernel(PREFILL_ATTENTION):
-                pre = prefix_forward(self.model, sub.select(rows_of_chunk), host.select(rows_of_chunk))
+            pre = prefix_forward(self.model, sub.select(rows_of_chunk), host.select(rows_of_chunk))
             local_of = torch.full((len(first),), -1, dtype=torch.long, device=source.device)
             local_of[torch.tensor(chunk, device=source.device)] = torch.arange(len(chunk), device=source.device)
             rows = (local_of[source] >= 0).nonzero().squeeze(1)

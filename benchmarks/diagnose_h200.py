@@ -119,6 +119,23 @@ def cuda_ms(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
+def script_args(argv, default_out: str, sections: str | None = None):
+    """The diagnosis scripts' command line (--config, --out, and --sections when they have sections):
+    returns (args, the sections asked for, a function writing `out` as JSON to --out)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="configs/bench_h200.yaml")
+    parser.add_argument("--out", default=default_out)
+    if sections:
+        parser.add_argument("--sections", default=sections, help=f"comma-separated subset of {sections}")
+    args = parser.parse_args(argv)
+
+    def write():
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+    return args, set((args.sections if sections else "").split(",")), write
+
+
 def section(name, fn):
     say(f"--- {name}")
     try:
@@ -129,15 +146,8 @@ def section(name, fn):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", default="configs/bench_h200.yaml")
-    parser.add_argument("--out", default="diag.json")
-    args = parser.parse_args(argv)
+    args, _, write = script_args(argv, "diag.json")
     logging.basicConfig(level=logging.WARNING)
-
-    def write():
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
 
     cfg = config_lib.load(args.config)
     device = resolve_device(cfg["trainer"]["device"])

@@ -18,8 +18,6 @@ each section. --sections picks a subset.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 
 import torch
@@ -36,7 +34,7 @@ from vlgrpo.trainer import GRPOTrainer
 
 # The first diagnosis's printing, per-section error capture and CUDA-event timing, and `out`, the
 # dict written as JSON (this folder is on sys.path when a script in it runs).
-from diagnose_h200 import cuda_ms, out, say, section
+from diagnose_h200 import cuda_ms, out, say, script_args, section
 
 
 def micro_step(trainer, prompts, responses, mask, rows) -> float:
@@ -87,16 +85,7 @@ def profile_prefill(engine, sub, dec, model) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", default="configs/bench_h200.yaml")
-    parser.add_argument("--out", default="diag_v3.json")
-    parser.add_argument("--sections", default="budgets,profiled,eval", help="comma-separated subset to run (prefill_profile: also the eval's prefill under the profiler)")
-    args = parser.parse_args(argv)
-    wanted = set(args.sections.split(","))
-
-    def write():
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    args, wanted, write = script_args(argv, "diag_v3.json", "budgets,profiled,eval")  # and prefill_profile
 
     cfg = config_lib.load(args.config)
     device = resolve_device(cfg["trainer"]["device"])

@@ -19,8 +19,6 @@ Prints as it goes; writes JSON after each section; --sections gemms,prefills,ste
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 
 import torch
@@ -34,7 +32,7 @@ from vlgrpo.policy import resolve_device
 from vlgrpo.rollout import SamplingParams
 from vlgrpo.trainer import GRPOTrainer
 
-from diagnose_h200 import cuda_ms, out, say, section
+from diagnose_h200 import cuda_ms, out, say, script_args, section
 
 
 def vision_mlp_gemms(hidden: int, inter: int, patches: int, device) -> dict:
@@ -52,16 +50,7 @@ def vision_mlp_gemms(hidden: int, inter: int, patches: int, device) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", default="configs/bench_h200.yaml")
-    parser.add_argument("--out", default="diag_v6.json")
-    parser.add_argument("--sections", default="gemms,prefills,steps", help="comma-separated subset to run")
-    args = parser.parse_args(argv)
-    wanted = set(args.sections.split(","))
-
-    def write():
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    args, wanted, write = script_args(argv, "diag_v6.json", "gemms,prefills,steps")
 
     cfg = config_lib.load(args.config)
     device = resolve_device(cfg["trainer"]["device"])

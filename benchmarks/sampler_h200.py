@@ -20,21 +20,11 @@ import torch
 from vlgrpo.rollout.fused_sampling import keyed_sample_fused
 from vlgrpo.rollout.sampling import keyed_sample_torch, row_hash, sample_key
 
+from diagnose_h200 import cuda_ms  # CUDA-event ms per call, after warm-ups (this folder is on sys.path)
+
 VOCAB = 151936
 BANNED = [*range(151652, 151657), *range(151665, VOCAB)]  # vision placeholders, ids past the tokenizer
 SETTINGS = {"train": (1.0, 1.0), "validation": (0.6, 0.95), "greedy": (0.0, 1.0), "nucleus_0.3": (1.0, 0.3)}
-
-
-def ms_per_call(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / reps
 
 
 def main(argv=None) -> dict:
@@ -61,8 +51,8 @@ def main(argv=None) -> dict:
             case = {
                 "rows": rows, "setting": name, "temperature": temperature, "top_p": top_p,
                 "same_tokens": same, "draws": 8 * rows, "max_logp_diff": logp_diff,
-                "torch_ms": ms_per_call(lambda: keyed_sample_torch(logits, keys, 3, temperature, top_p, banned)),
-                "fused_ms": ms_per_call(lambda: keyed_sample_fused(logits, hashes, temperature, top_p, banned)),
+                "torch_ms": cuda_ms(lambda: keyed_sample_torch(logits, keys, 3, temperature, top_p, banned)),
+                "fused_ms": cuda_ms(lambda: keyed_sample_fused(logits, hashes, temperature, top_p, banned)),
             }
             result["cases"].append(case)
             print(json.dumps(case), flush=True)

@@ -80,7 +80,7 @@ def main(argv=None):
         rows, width = sub.input_ids.shape
         cache_width = -(-(width + length - 1) // 128) * 128
         params = SamplingParams(0.6, 0.95, length)
-        res = {}
+        res, configured = {}, torch.backends.cuda.cudnn_sdp_enabled()
         for cudnn in (False, True):
             torch.backends.cuda.enable_cudnn_sdp(cudnn)
             engine._decoder = engine._shape = None  # a new capture under this setting
@@ -98,7 +98,7 @@ def main(argv=None):
             res[f"decode_step_ms_cudnn_{cudnn}"] = cuda_ms(dec.graph.replay, reps=40)
             say(res)
         engine._decoder = engine._shape = None
-        torch.backends.cuda.enable_cudnn_sdp(True)
+        torch.backends.cuda.enable_cudnn_sdp(configured)
         out["eval_prefill"] = res
 
     if "prefills" in wanted:
@@ -106,14 +106,14 @@ def main(argv=None):
         write()
 
     def steps():
-        res = []
+        res, configured = [], torch.backends.cuda.cudnn_sdp_enabled()
         trainer.step(1)
         for step, cudnn in ((2, True), (3, False), (4, True), (5, False)):
             torch.backends.cuda.enable_cudnn_sdp(cudnn)
             record = trainer.step(step)
             res.append({"step": step, "cudnn_sdp": cudnn, **{k: round(v, 3) for k, v in record.items() if k.startswith(("timing_s/", "perf/max_memory"))}})
             say(res[-1])
-        torch.backends.cuda.enable_cudnn_sdp(True)
+        torch.backends.cuda.enable_cudnn_sdp(configured)
         out["steps"] = res
 
     if "steps" in wanted:  # after the prefills, the 601-row batch's memory was not all back: run it alone

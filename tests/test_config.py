@@ -10,14 +10,6 @@ from vlgrpo.cli import parse_assignment
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def leaves(d, prefix=""):
-    for k, v in d.items():
-        if isinstance(v, dict):
-            yield from leaves(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}"
-
-
 def flat(d, prefix=""):
     """{'a.b': value} for every leaf of a nested dict."""
     out = {}
@@ -38,7 +30,7 @@ def test_recipes_set_every_key_of_the_default(name):
     (but the demo block), or a demo value would leak into it."""
     default = yaml.safe_load((ROOT / "config.yaml").read_text())
     recipe = yaml.safe_load((ROOT / "configs" / name).read_text())
-    missing = {k for k in leaves(default) if not k.startswith("demo.")} - set(leaves(recipe))
+    missing = {k for k in flat(default) if not k.startswith("demo.")} - set(flat(recipe))
     assert not missing
     config.load(ROOT / "config.yaml", ROOT / "configs" / name)
 

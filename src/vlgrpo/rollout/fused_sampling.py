@@ -155,7 +155,9 @@ if triton is not None:
         HAS_BANNED: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         """Pass 3, for the rows _sample_kernel left at token -1 (the others return at once). A kernel of
-        its own: its 16-way sums need registers that would halve the occupancy of the first."""
+        its own: its 16-way sums need registers that would halve the occupancy of the first. It sums
+        the row's exps again rather than reading them from the first kernel: one more pass for ~5%
+        of the rows, against scratch buffers written for all of them."""
         row = tl.program_id(0)
         if tl.load(tokens_ptr + row) < 0:
             base = logits_ptr + row.to(tl.int64) * row_stride

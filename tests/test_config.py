@@ -65,7 +65,7 @@ def test_speed_overlay_is_the_benchmarked_switches_and_leaves_the_recipe_alone()
         ({"seed": "one"}, "'seed'"),
         ({"data": {"min_pixels": 600000}}, "'data.min_pixels' (600000) > 'data.max_pixels'"),
         ({"worker": {"rollout": {"batch_size": 10}}}, "multiple of 'worker.actor.global_batch_size'"),
-        ({"model": {"dtype": "bfloat16"}}, "adamw keeps float32 moments"),
+        ({"worker": {"actor": {"optim": {"lr_warmup_steps": 2, "lr_warmup_ratio": 0.1}}}}, "are both set; set one"),
     ],
 )
 def test_bad_values_fail_naming_the_key(override, message):

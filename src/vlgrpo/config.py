@@ -112,10 +112,11 @@ def validate(cfg: dict) -> dict:
             f"'worker.rollout.batch_size' ({rollout['batch_size']}) must be a multiple of "
             f"'worker.actor.global_batch_size' ({actor['global_batch_size']})"
         )
-    if actor["optim"]["strategy"] == "adamw" and cfg["model"]["dtype"] != "float32":
+    optim = actor["optim"]
+    if optim["lr_warmup_steps"] is not None and optim["lr_warmup_ratio"]:
         raise ConfigError(
-            "'worker.actor.optim.strategy' adamw keeps float32 moments and needs 'model.dtype' float32; "
-            "use adamw_bf16 for bfloat16 weights"
+            f"'worker.actor.optim.lr_warmup_steps' ({optim['lr_warmup_steps']}) and 'lr_warmup_ratio' "
+            f"({optim['lr_warmup_ratio']}) are both set; set one"
         )
     return cfg
 

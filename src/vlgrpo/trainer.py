@@ -40,6 +40,7 @@ from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
 from vlgrpo.data import encode_prompts, load_filtered, load_processor
 from vlgrpo.errors import VlgrpoError
+from vlgrpo.optim import build_optimizer, lr_at
 from vlgrpo.policy import ForwardOptions, load_model, micro_batches, prepare_model, resolve_device, response_logprobs
 from vlgrpo.rewards import Grading, load_reward_function
 from vlgrpo.rollout import SamplingParams, make_engine
@@ -95,25 +96,6 @@ class Faults:
             Path(self.once).touch()
         log.warning("fault injection: %s at step %d", kind, step)
         return True
-
-
-def build_optimizer(cfg: dict, model) -> torch.optim.Optimizer:
-    optim = cfg["worker"]["actor"]["optim"]
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(
-        params,
-        lr=optim["lr"],
-        betas=tuple(optim["betas"]),
-        weight_decay=optim["weight_decay"],
-        fused=bool(params) and params[0].device.type == "cuda",  # one kernel for all parameters
-    )
-
-
-def lr_at(cfg: dict, step: int) -> float:
-    """Linear warm-up over absolute steps, then constant: independent of the run's length."""
-    optim = cfg["worker"]["actor"]["optim"]
-    warmup = optim["lr_warmup_steps"]
-    return optim["lr"] * (min(1.0, step / warmup) if warmup else 1.0)
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict:
@@ -286,7 +268,7 @@ class GRPOTrainer:
         temperature = cfg["worker"]["rollout"]["temperature"]
         n, mode = cfg["worker"]["rollout"]["n"], actor["loss_avg_mode"]
         mini, micro = actor["global_batch_size"] * n, actor["micro_batch_size_per_device_for_update"]
-        lr = lr_at(cfg, step)
+        lr = lr_at(cfg, step, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         params = [p for p in self.policy.parameters() if p.requires_grad]

@@ -2,6 +2,7 @@
 
 import copy
 import io
+import json
 
 import pytest
 import torch
@@ -200,3 +201,24 @@ def test_warmup_equals_easyr1_to_the_step(warmup_steps, warmup_ratio, total):
     assert [lr_at(cfg, step, total) for step in range(1, total + 1)] == easyr1_lrs(warmup, total, 1e-6)
     if warmup:
         assert lr_at(cfg, 1, total) == 0.0  # the first update's factor counts from 0
+
+
+def test_bench_optim_runs_on_the_cpu(tmp_path):
+    """scripts/bench_optim.py (the H200 benchmark) on a tiny model: every variant, its state in bytes per parameter."""
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_optim", ROOT / "scripts" / "bench_optim.py")
+    bench_optim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_optim)
+    out = tmp_path / "bench_optim.json"
+    result = bench_optim.main(["--tiny", "--device", "cpu", "--warmup", "1", "--steps", "5", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    n = result["parameters"]
+    variants = result["variants"]
+    assert list(variants) == ["torch_adamw_bf16", "adamw_bf16", "adamw", "adamw_fp32"]
+    bytes_per_param = {name: v["state_gb"] * 1e9 / n for name, v in variants.items()}
+    assert bytes_per_param == pytest.approx({"torch_adamw_bf16": 4, "adamw_bf16": 6, "adamw": 12, "adamw_fp32": 8})
+    assert variants["adamw_bf16"]["checkpoint_gb"] * 1e9 == pytest.approx(8 * n)
+    assert all(v["ms_per_step"] > 0 for v in variants.values())

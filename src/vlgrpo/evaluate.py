@@ -24,7 +24,7 @@ from vlgrpo.batch import PromptBatch
 from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
 from vlgrpo.data import encode_prompts, load_filtered, load_processor
 from vlgrpo.policy import load_model, resolve_device
-from vlgrpo.rewards import Grading, load_reward_function, start_workers
+from vlgrpo.rewards import Grading, reward_from_config, start_workers
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.sampling import sample_key
 
@@ -71,13 +71,12 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     data, val = cfg["data"], cfg["worker"]["rollout"]["val_override_config"]
     device = resolve_device(cfg["trainer"]["device"])
     processor = load_processor(cfg["model"]["path"], data["min_pixels"], data["max_pixels"])
+    rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))
+    reward_fn = reward_from_config(cfg, [r["answer"] for r in rows[:8]])  # stops here if it breaks the contract
     if model is None:
         model = load_model(model_path_for(cfg, step), cfg["model"], device, trainable=False)
     rollout = cfg["worker"]["rollout"]
     engine = make_engine(rollout["engine"], model, processor, rollout["cuda_graph"])
-    reward = cfg["worker"]["reward"]
-    reward_fn = load_reward_function(reward["reward_function"], reward["format_weight"])
-    rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))
 
     n = val["n"]
     encode_start = time.perf_counter()
@@ -90,7 +89,7 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     out = engine.generate(prompts, keys, params, batch_size=batch, progress=True)
     score_start = time.perf_counter()
     answers = [r["answer"] for r in rows for _ in range(n)]
-    scores, errors = Grading(reward_fn, out.texts, answers).result()  # on several CPU cores where there are
+    scores, errors = Grading(reward_fn, out.texts, answers, lengths=out.lengths.tolist()).result()  # on several CPU cores where there are
     timing = {"encode": gen_start - encode_start, "generation": score_start - gen_start,
               "scoring": time.perf_counter() - score_start}
 

@@ -42,7 +42,7 @@ from vlgrpo.data import encode_prompts, load_filtered, load_processor
 from vlgrpo.errors import VlgrpoError
 from vlgrpo.optim import build_optimizer, lr_at
 from vlgrpo.policy import ForwardOptions, load_model, micro_batches, prepare_model, resolve_device, response_logprobs
-from vlgrpo.rewards import Grading, load_reward_function
+from vlgrpo.rewards import Grading, reward_from_config
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.sampling import sample_key
 from vlgrpo.tracking import Tracker, read_metrics
@@ -116,8 +116,7 @@ class GRPOTrainer:
         self.batch_size = cfg["worker"]["rollout"]["batch_size"]
         self.steps_per_epoch = len(self.rows) // self.batch_size
         self.total_steps = plan.total_steps(cfg, self.steps_per_epoch)
-        reward = cfg["worker"]["reward"]
-        self.reward_fn = load_reward_function(reward["reward_function"], reward["format_weight"])
+        self.reward_fn = reward_from_config(cfg, [r["answer"] for r in self.rows[:8]])  # stops here if it breaks the contract
         self.store = CheckpointStore(paths.path(paths.CHECKPOINTS, self.exp_dir))
         self.policy = self.ref = self.optimizer = self.engine = None
         self.forward = ForwardOptions.from_config(cfg)
@@ -205,7 +204,7 @@ class GRPOTrainer:
         self.heartbeat.beat()
         # Grading runs on other CPU cores while old and ref run; `reward` is the time the step waits for it.
         reward_start = time.perf_counter()
-        grading = Grading(self.reward_fn, out.texts, [r["answer"] for r in rows for _ in range(n)])
+        grading = Grading(self.reward_fn, out.texts, [r["answer"] for r in rows for _ in range(n)], lengths=out.lengths.tolist())
         reward_s = time.perf_counter() - reward_start
         micro = actor["micro_batch_size_per_device_for_experience"]
         with timer(timing, "old"):  # the update fills the rows it computes itself (old_logprobs_from_update)

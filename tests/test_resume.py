@@ -163,3 +163,30 @@ def test_watchdog_kills_a_stalled_segment(demo_base, tmp_path):
     assert time.time() - stopped < 15 + 10
     assert not psutil.pid_exists(child.pid) or child.status() == psutil.STATUS_ZOMBIE
     assert heartbeat.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["adamw", "adamw_bf16"])
+def test_bf16_resume_is_exact_with_each_optimizer(demo_base, tmp_path, strategy):
+    """A bf16 model: 4 steps straight == 2 steps, checkpoint, a new trainer resumed from it, 2 more:
+    bitwise identical weights and optimizer state (master weights or Kahan compensation included)."""
+    overrides = {"model": {"dtype": "bfloat16"}, "worker": {"actor": {"optim": {"strategy": strategy}}}}
+    straight = GRPOTrainer(make_experiment(demo_base, tmp_path / "straight", overrides))
+    straight.load(0)
+    records = [deterministic(straight.step(step)) for step in range(1, 5)]
+
+    first = GRPOTrainer(make_experiment(demo_base, tmp_path / "halves", overrides))
+    first.load(0)
+    resumed_records = [deterministic(first.step(step)) for step in (1, 2)]
+    first.save(2, "run")
+    resumed = GRPOTrainer(first.cfg)
+    resumed.load(2)
+    resumed_records += [deterministic(resumed.step(step)) for step in (3, 4)]
+
+    assert resumed_records == records
+    assert next(resumed.policy.parameters()).dtype == torch.bfloat16
+    for (name, a), b in zip(straight.policy.named_parameters(), resumed.policy.parameters()):
+        assert torch.equal(a, b), name
+    extra = {"adamw": "master", "adamw_bf16": "compensation"}[strategy]
+    for a, b in zip(straight.optimizer.state.values(), resumed.optimizer.state.values()):
+        assert extra in b and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)

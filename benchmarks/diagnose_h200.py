@@ -33,7 +33,8 @@ from vlgrpo import paths
 from vlgrpo import trainer as trainer_mod
 from vlgrpo.batch import PromptBatch
 from vlgrpo.bench import base_model, ensure_filtered
-from vlgrpo.data import encode_prompts, load_filtered
+from vlgrpo.data.filtering import load_filtered
+from vlgrpo.data.prompts import encode_prompts
 from vlgrpo.policy import resolve_device
 from vlgrpo.rewards import load_reward_function, score_responses
 from vlgrpo.rollout import SamplingParams

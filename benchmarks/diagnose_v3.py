@@ -26,7 +26,8 @@ from vlgrpo import config as config_lib
 from vlgrpo import grpo, paths
 from vlgrpo.batch import PromptBatch
 from vlgrpo.bench import base_model, ensure_filtered, free, sync
-from vlgrpo.data import encode_prompts, load_filtered
+from vlgrpo.data.filtering import load_filtered
+from vlgrpo.data.prompts import encode_prompts
 from vlgrpo.policy import resolve_device, response_logprobs
 from vlgrpo.rollout import SamplingParams
 from vlgrpo.rollout.sampling import keyed_sample

@@ -17,7 +17,9 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from vlgrpo.batch import PromptBatch
-from vlgrpo.data import decode_image, encode_prompts, load_processor, render_prompt, resize_image
+from vlgrpo.data.images import decode_image, processor_pixel_bounds, resize_image
+from vlgrpo.data.prompts import encode_prompts, render_prompt
+from vlgrpo.data.sources import load_processor
 
 PIXELS = 12544  # the demo's min = max pixels (112 x 112)
 
@@ -25,7 +27,8 @@ PIXELS = 12544  # the demo's min = max pixels (112 x 112)
 def load(processor, folder: str, split: str, n: int) -> tuple[PromptBatch, torch.Tensor]:
     rows = pq.read_table(f"{folder}/{split}.parquet").slice(0, n).to_pylist()
     encoded = [{"prompt": render_prompt(processor, r["problem"], "r1v"),
-                "images": [resize_image(decode_image(r["images"][0]), PIXELS, PIXELS)]} for r in rows]
+                "images": [resize_image(decode_image(r["images"][0]), PIXELS, PIXELS, processor_pixel_bounds(processor))]}
+               for r in rows]
     counts = torch.tensor([int(r["answer"]) // 180 - 1 for r in rows])
     return PromptBatch.from_processor(encode_prompts(processor, encoded), [1] * len(rows)), counts
 
@@ -41,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_pretrained(args.model)
-    processor = load_processor(args.model, PIXELS, PIXELS)
+    processor = load_processor(args.model)
     train, y_train = load(processor, args.data, "train", args.figures)
     test, y_test = load(processor, args.data, "test", 128)
     model.requires_grad_(args.train in ("all", "lm", "tower"))

@@ -35,7 +35,8 @@ from vlgrpo import config as config_lib
 from vlgrpo import evaluate, paths
 from vlgrpo.cli import parse_assignment
 from vlgrpo.batch import PromptBatch
-from vlgrpo.data import encode_prompts, filter_split, load_filtered
+from vlgrpo.data.filtering import filter_split, load_filtered
+from vlgrpo.data.prompts import encode_prompts
 from vlgrpo.policy import DTYPES, load_model, resolve_device
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.trainer import GRPOTrainer

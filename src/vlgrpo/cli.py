@@ -65,7 +65,7 @@ def cmd_make_demo_model(args) -> None:
 
 
 def cmd_filter(args) -> None:
-    from vlgrpo.data import filter_split
+    from vlgrpo.data.filtering import filter_split
 
     cfg = config_lib.read_resolved(args.config)
     exp = config_lib.experiment_dir(cfg)

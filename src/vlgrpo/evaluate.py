@@ -22,7 +22,9 @@ from vlgrpo import config as config_lib
 from vlgrpo import paths, plan
 from vlgrpo.batch import PromptBatch
 from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
-from vlgrpo.data import encode_prompts, load_filtered, load_processor
+from vlgrpo.data.filtering import load_filtered
+from vlgrpo.data.prompts import encode_prompts
+from vlgrpo.data.sources import load_processor
 from vlgrpo.policy import load_model, resolve_device
 from vlgrpo.rewards import Grading, reward_from_config, start_workers
 from vlgrpo.rollout import SamplingParams, make_engine
@@ -70,7 +72,7 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     exp = config_lib.experiment_dir(cfg)
     data, val = cfg["data"], cfg["worker"]["rollout"]["val_override_config"]
     device = resolve_device(cfg["trainer"]["device"])
-    processor = load_processor(cfg["model"]["path"], data["min_pixels"], data["max_pixels"])
+    processor = load_processor(cfg["model"]["path"])
     rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))
     reward_fn = reward_from_config(cfg, [r["answer"] for r in rows[:8]])  # stops here if it breaks the contract
     if model is None:

@@ -38,7 +38,9 @@ from vlgrpo import config as config_lib
 from vlgrpo import grpo, paths, plan
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
-from vlgrpo.data import encode_prompts, load_filtered, load_processor
+from vlgrpo.data.filtering import load_filtered
+from vlgrpo.data.prompts import encode_prompts
+from vlgrpo.data.sources import load_processor
 from vlgrpo.errors import VlgrpoError
 from vlgrpo.optim import build_optimizer, lr_at
 from vlgrpo.policy import ForwardOptions, load_model, micro_batches, prepare_model, resolve_device, response_logprobs
@@ -110,8 +112,7 @@ class GRPOTrainer:
         self.heartbeat = heartbeat or Heartbeat(None)
         self.faults = Faults()
         self.device = resolve_device(cfg["trainer"]["device"])
-        data = cfg["data"]
-        self.processor = load_processor(cfg["model"]["path"], data["min_pixels"], data["max_pixels"])
+        self.processor = load_processor(cfg["model"]["path"])
         self.rows = load_filtered(paths.path(paths.FILTERED, self.exp_dir, split="train"))
         self.batch_size = cfg["worker"]["rollout"]["batch_size"]
         self.steps_per_epoch = len(self.rows) // self.batch_size

@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from conftest import SHARED, make_experiment
 from vlgrpo import config, evaluate, metrics, paths
-from vlgrpo.tracking import flatten, read_metrics, read_records
+from vlgrpo.tracking import read_metrics, read_records
 from vlgrpo.trainer import run_segment
 
 SEED_LOGS = sorted((SHARED / "easyr1_geo3k_run").glob("experiment_log_*.jsonl"))
@@ -22,11 +22,10 @@ def seed_keys() -> tuple[set, set]:
     """Metric keys of the seed run's training records and of its validation-only records; the
     validated steps' records (both kinds in one) add timing_s/validation to the validation keys."""
     train, val = set(), set()
-    for path in SEED_LOGS:
-        for line in path.read_text().splitlines():
-            keys = set(flatten(json.loads(line))) - {"step"}
-            val |= {k for k in keys if k.startswith(VAL_GROUPS)}
-            train |= {k for k in keys if not k.startswith(VAL_GROUPS)}
+    for record in (r for path in SEED_LOGS for r in read_records(path)):
+        keys = set(record) - {"step"}
+        val |= {k for k in keys if k.startswith(VAL_GROUPS)}
+        train |= {k for k in keys if not k.startswith(VAL_GROUPS)}
     train.discard("timing_s/validation")
     return train, val | {"timing_s/validation"}
 
@@ -57,7 +56,7 @@ def test_seqlen_balance_as_easyr1_reports_it():
 
 def test_timing_per_token_and_throughput_match_the_seed_logs():
     """Step 1 of the seed run: its per-token times and throughput follow from its own timings."""
-    step1 = flatten(json.loads(SEED_LOGS[0].read_text().splitlines()[1]))
+    step1 = read_records(SEED_LOGS[0])[1]
     timing = {k.split("/")[1]: v for k, v in step1.items() if k.startswith("timing_s/")}
     response_tokens = round(step1["response_length/mean"] * 128)  # 32 prompts x 4 samples
     total = step1["perf/total_num_tokens"]
@@ -119,7 +118,7 @@ def test_every_seed_key_is_logged_with_its_kind(demo_run):
 @pytest.mark.slow
 def test_logged_values_mean_what_easyr1_means(demo_run):
     cfg, path = demo_run
-    step = read_metrics(path)[1]
+    step = {r["step"]: r for r in read_metrics(path)}[2]  # a validated step, saved after
     n = cfg["worker"]["rollout"]["n"] * cfg["worker"]["rollout"]["batch_size"]
     total = step["perf/total_num_tokens"]
     assert total == pytest.approx(n * (step["prompt_length/mean"] + step["response_length/mean"]))

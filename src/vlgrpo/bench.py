@@ -32,7 +32,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from vlgrpo import config as config_lib
-from vlgrpo import evaluate, paths
+from vlgrpo import evaluate, metrics, paths
 from vlgrpo.cli import parse_assignment
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.filtering import filter_split, load_filtered
@@ -54,7 +54,6 @@ PLAIN = {
         "rollout": {"engine": "hf"},
     },
 }
-PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense bf16, SXM datasheets
 PHASES = ("gen", "reward", "old", "ref", "adv", "update_actor")
 TARGETS = {"step_s": 15.0, "eval_s": 30.0}  # issue 7, on one H200 (printed for H200 runs only)
 
@@ -263,7 +262,7 @@ def main(argv=None) -> dict:
     dtype = DTYPES[cfg["model"]["dtype"]]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
     measured = matmul_tflops(device, dtype)
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    peak = metrics.peak_tflops(device)
     result = {
         "device": name,
         "config": str(args.config),

@@ -3,7 +3,8 @@
 Generates on the filtered validation split with worker.rollout.val_override_config (temperature 0 =
 greedy; n > 1 gives mean scores and pass@n), scores with the training reward function, and writes
 val/step_XXXXXX.json (EasyR1 metric names plus `samples`: the same val_generations_to_log items at
-every step, chosen by the seed) and val/step_XXXXXX.generations.jsonl (every response with its score).
+every step, chosen by the seed) and val/step_XXXXXX.generations.jsonl (every response with its score);
+the metrics also go into metrics.jsonl as the step's validation record (and W&B, when configured).
 The sampling noise of item i is keyed by (seed, item, sample) only, the same at every step, so the
 difference between two checkpoints is not sampling luck.
 Launch: `vlgrpo evaluate --config results/<exp>/config.resolved.yaml --step N`.
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from vlgrpo import config as config_lib
-from vlgrpo import paths, plan
+from vlgrpo import metrics, paths, plan
 from vlgrpo.batch import PromptBatch
 from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
 from vlgrpo.data.filtering import load_filtered
@@ -29,6 +30,7 @@ from vlgrpo.policy import load_model, resolve_device
 from vlgrpo.rewards import Grading, reward_from_config, start_workers
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.sampling import sample_key
+from vlgrpo.tracking import SAMPLES, Tracker
 
 VAL_STREAM = 0x5A17  # keeps validation keys apart from training keys (seed, step, ...)
 
@@ -37,16 +39,6 @@ def logged_items(seed: int, n_rows: int, count: int) -> list[int]:
     """Positions of the validation rows shown at every step: a fixed, seeded choice."""
     generator = torch.Generator().manual_seed(sample_key(seed, VAL_STREAM))
     return sorted(torch.randperm(n_rows, generator=generator)[:count].tolist())
-
-
-def _length_stats(prefix: str, lengths: torch.Tensor, limit: int) -> dict:
-    lengths = lengths.float()
-    return {
-        f"{prefix}/mean": lengths.mean().item(),
-        f"{prefix}/max": lengths.max().item(),
-        f"{prefix}/min": lengths.min().item(),
-        f"{prefix}/clip_ratio": (lengths == limit).float().mean().item(),
-    }
 
 
 def model_path_for(cfg: dict, step: int) -> str:
@@ -107,8 +99,8 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
         "val/reward_score": mean("overall"),
         f"val/pass@{n}": (accuracy >= 1.0).any(dim=1).float().mean().item(),
         "val/reward_errors": errors,
-        **_length_stats("val_response_length", out.lengths, data["max_response_length"]),
-        **_length_stats("val_prompt_length", prompts.attention_mask.sum(-1), data["max_prompt_length"]),
+        **metrics.length_metrics("val_response_length", out.lengths, data["max_response_length"]),
+        **metrics.length_metrics("val_prompt_length", prompts.attention_mask.sum(-1), data["max_prompt_length"]),
         "val/tokens_per_s": float(out.lengths.sum()) / timing["generation"],
         **{f"timing_s/{k}": v for k, v in timing.items()},
     }
@@ -145,8 +137,19 @@ def prune_after_validation(cfg: dict, step: int) -> None:
         apply_retention(cfg, plan.total_steps(cfg, stats["steps_per_epoch"]))
 
 
+def log_validation(cfg: dict, record: dict, tracker: Tracker | None = None) -> None:
+    """Log a validation result as the validated step's "val" record, in metrics.jsonl and the
+    experiment's W&B run (through `tracker` when the caller holds one open, else a job-own one)."""
+    own = tracker is None
+    tracker = tracker or Tracker(cfg, config_lib.experiment_dir(cfg))
+    tracker.log({k: v for k, v in record.items() if k != SAMPLES}, kind="val")
+    if own:
+        tracker.close()
+
+
 def main(config_path: str | Path, step: int) -> dict:
     cfg = config_lib.read_resolved(config_path)
     record = evaluate(cfg, step)
+    log_validation(cfg, record)
     prune_after_validation(cfg, step)
     return record

@@ -13,6 +13,7 @@ MARKER = "{exp}/segments/step_{step}.json"
 HEARTBEAT = "{exp}/segments/heartbeat"
 CHECKPOINTS = "{exp}/checkpoints"
 METRICS = "{exp}/metrics.jsonl"
+WANDB_RUN_ID = "{exp}/wandb_run_id"
 REPORT = "{exp}/report"
 
 

@@ -30,12 +30,11 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import psutil
 import torch
 from tqdm.auto import tqdm
 
 from vlgrpo import config as config_lib
-from vlgrpo import grpo, paths, plan
+from vlgrpo import grpo, metrics, paths, plan
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
 from vlgrpo.data.filtering import load_filtered
@@ -100,9 +99,6 @@ class Faults:
         return True
 
 
-def _stats(prefix: str, values: torch.Tensor) -> dict:
-    values = values.float()
-    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(), f"{prefix}/min": values.min().item()}
 
 
 class GRPOTrainer:
@@ -225,34 +221,30 @@ class GRPOTrainer:
             update = self.update_actor(step, prompts, out, old_logp, ref_logp, advantages)
         timing["step"] = time.perf_counter() - step_start
 
-        mask = out.response_mask.bool()
-        lengths, prompt_lengths = out.lengths.float(), prompts.attention_mask.sum(-1).float()
-        max_prompt, max_response = cfg["data"]["max_prompt_length"], cfg["data"]["max_response_length"]
-        total_tokens = int(lengths.sum() + prompt_lengths.sum())
-        devices = max(1, cfg["trainer"]["n_gpus_per_node"] * cfg["trainer"]["nnodes"])
-        groups = overall.view(-1, n)
+        lengths, prompt_lengths = out.lengths, prompts.attention_mask.sum(-1)
+        seqlens = (lengths + prompt_lengths).tolist()  # (N,) prompt + response tokens, batch order
+        response_tokens, total_tokens = int(lengths.sum()), sum(seqlens)
+        world, groups = metrics.world_size(), overall.view(-1, n)
         record = {
             "step": step,
             **{f"reward/{k}": sum(s[k] for s in scores) / len(scores) for k in ("overall", "format", "accuracy")},
             "reward/errors": reward_errors,
             **update,
-            **_stats("critic/score", overall),
-            **_stats("critic/advantages", advantages[:, None].expand_as(mask)[mask]),
+            **metrics.data_metrics(overall, overall, advantages, out.response_mask),
             "critic/zero_adv_group_frac": (groups.max(1).values == groups.min(1).values).float().mean().item(),
-            **_stats("response_length", lengths),
-            "response_length/clip_ratio": (lengths == max_response).float().mean().item(),
-            **_stats("prompt_length", prompt_lengths),
-            "prompt_length/clip_ratio": (prompt_lengths == max_prompt).float().mean().item(),
-            **{f"timing_s/{k}": v for k, v in timing.items()},
-            "perf/total_num_tokens": total_tokens,
-            "perf/time_per_step": timing["step"],
-            "perf/throughput": total_tokens / (timing["step"] * devices),
-            "perf/cpu_memory_used_gb": psutil.Process().memory_info().rss / 2**30,
+            **metrics.length_metrics("response_length", lengths, cfg["data"]["max_response_length"]),
+            **metrics.length_metrics("prompt_length", prompt_lengths, cfg["data"]["max_prompt_length"]),
+            **metrics.seqlen_metrics(seqlens, world=world),
+            **metrics.timing_metrics(timing, response_tokens, total_tokens),
+            **metrics.throughput_metrics(total_tokens, timing["step"], world),
+            "perf/mfu_actor": metrics.mfu(
+                metrics.actor_flops(self.policy.config.get_text_config(), seqlens), timing["update_actor"],
+                actor["ppo_epochs"], metrics.peak_tflops(self.device), world,
+            ),
+            **metrics.memory_metrics(self.device),
         }
         record["actor/entropy_loss"] = grpo.entropy_from_logp(old_logp, out.response_mask.float()).item()
         if self.device.type == "cuda":
-            record["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            record["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
             allocator = torch.cuda.memory_stats()  # this step's: cudaMalloc calls, flush-and-retry events
             record["perf/cuda_malloc_calls"] = allocator.get("num_device_alloc", 0)
             record["perf/cuda_alloc_retries"] = allocator.get("num_alloc_retries", 0)
@@ -344,13 +336,12 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
     if end_step > trainer.total_steps:
         raise ValueError(f"end step {end_step} is past the run's last step {trainer.total_steps}")
     start = trainer.store.latest() or 0
-    run_id = trainer.store.state(start)["wandb_run_id"] if start else None
     if start and trainer.store.state(start)["config_hash"] != training_hash(cfg):
         raise config_lib.ConfigError(
             f"checkpoint {trainer.store.path(start)} was made with a different training config; "
             f"use a new experiment name, or delete {trainer.store.root} to start over"
         )
-    tracker = Tracker(cfg, trainer.exp_dir, run_id)
+    tracker = Tracker(cfg, trainer.exp_dir)
     if start < end_step:
         with timer(times, "load"):
             trainer.load(start)
@@ -362,6 +353,7 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
                 trainer.heartbeat.beat()
         with timer(times, "save"):
             trainer.save(end_step, tracker.run_id)
+        tracker.add_timings(end_step, {"save_checkpoint": times["save"]})
         apply_retention(cfg, trainer.total_steps)
     else:
         log.info("checkpoint %d already covers step %d: nothing to train", start, end_step)

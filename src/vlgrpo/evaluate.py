@@ -20,12 +20,12 @@ import torch
 
 from vlgrpo import config as config_lib
 from vlgrpo import paths, plan
-from vlgrpo.batch import PromptBatch
 from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
-from vlgrpo.data import encode_prompts, load_filtered, load_processor
+from vlgrpo.data import load_filtered, load_processor
 from vlgrpo.policy import load_model, resolve_device
-from vlgrpo.rewards import Grading, load_reward_function, start_workers
+from vlgrpo.rewards import load_reward_function, start_workers
 from vlgrpo.rollout import SamplingParams, make_engine
+from vlgrpo.rollout.graded import generate_and_grade
 from vlgrpo.rollout.sampling import sample_key
 
 VAL_STREAM = 0x5A17  # keeps validation keys apart from training keys (seed, step, ...)
@@ -70,6 +70,7 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     exp = config_lib.experiment_dir(cfg)
     data, val = cfg["data"], cfg["worker"]["rollout"]["val_override_config"]
     device = resolve_device(cfg["trainer"]["device"])
+    cfg = config_lib.for_device(cfg, device)
     processor = load_processor(cfg["model"]["path"], data["min_pixels"], data["max_pixels"])
     if model is None:
         model = load_model(model_path_for(cfg, step), cfg["model"], device, trainable=False)
@@ -80,19 +81,15 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))
 
     n = val["n"]
-    encode_start = time.perf_counter()
-    enc = encode_prompts(processor, rows, device)  # pixel values made on the model's device: no host copy of them
-    prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(n)
-    keys = torch.tensor([sample_key(cfg["seed"], VAL_STREAM, r["index"], j) for r in rows for j in range(n)])
     params = SamplingParams(val["temperature"], val["top_p"], data["max_response_length"])
-    batch = data["val_batch_size"] if data["val_batch_size"] > 0 else len(prompts)
-    gen_start = time.perf_counter()
-    out = engine.generate(prompts, keys, params, batch_size=batch, progress=True)
+    batch = data["val_batch_size"] if data["val_batch_size"] > 0 else len(rows) * n
+    prompts, out, grading, timing = generate_and_grade(
+        engine, processor, rows, n, (cfg["seed"], VAL_STREAM), params, batch, reward_fn, device, progress=True
+    )
     score_start = time.perf_counter()
-    answers = [r["answer"] for r in rows for _ in range(n)]
-    scores, errors = Grading(reward_fn, out.texts, answers).result()  # on several CPU cores where there are
-    timing = {"encode": gen_start - encode_start, "generation": score_start - gen_start,
-              "scoring": time.perf_counter() - score_start}
+    scores, errors = grading.result()  # on several CPU cores where there are
+    timing = {"encode": timing["encode"], "generation": timing["generation"],
+              "scoring": timing.pop("grading") + time.perf_counter() - score_start}
 
     def mean(key):
         return sum(s[key] for s in scores) / len(scores)

@@ -50,7 +50,7 @@ def base_model(cfg: dict, device: torch.device):
     """(model, 'loaded' | 'random'): the folder's weights, or random ones from its config."""
     folder = Path(cfg["model"]["path"])
     if any(folder.glob("*.safetensors")) or any(folder.glob("*.bin")):
-        return load_model(folder, cfg["model"], device, trainable=True), "loaded"
+        return load_model(folder, config_lib.for_device(cfg, device)["model"], device, trainable=True), "loaded"
     torch.manual_seed(cfg["seed"])
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(

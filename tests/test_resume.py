@@ -122,7 +122,7 @@ def test_checkpoint_write_is_atomic_and_retention_keeps_what_validation_needs(de
     # The saved model loads back through from_pretrained (validation and export use it).
     from vlgrpo.policy import load_model
 
-    model = load_model(store.model_dir(6), cfg["model"], torch.device("cpu"), trainable=False)
+    model = load_model(store.model_dir(6), t.cfg["model"], torch.device("cpu"), trainable=False)
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in t.policy.parameters())
 
 

@@ -1,5 +1,5 @@
 """The whole workflow on the demo: a failed segment reruns alone (with what depends on it) and the
-run ends where an uninterrupted one ends; a killed Snakemake resumes with the next invocation."""
+run ends where an uninterrupted one ends; a killed Snakemake resumes after `vlgrpo unlock-stale`."""
 
 import json
 import os
@@ -103,5 +103,8 @@ def test_snakemake_killed_mid_run_finishes_on_the_next_run(reference):
     assert marker.exists()
     os.killpg(proc.pid, signal.SIGKILL)  # Snakemake and its jobs, as when a node is lost
     proc.wait()
+    assert snakemake(work, demo, check=False).returncode != 0  # its lock is left behind
+    unlock = subprocess.run(["vlgrpo", "unlock-stale", "--directory", str(work)], capture_output=True, text=True)
+    assert "released the lock" in unlock.stdout, unlock.stderr
     snakemake(work, demo)
     assert final_state(work) == final_state(root / "straight")

@@ -9,6 +9,7 @@
     vlgrpo report   --experiment-dir results/<exp> --out results/<exp>/report [--config ...]
     vlgrpo report   --from-easyr1 LOG [LOG ...] --out DIR
     vlgrpo bench    --config configs/bench_cpu.yaml --out benchmarks/results/x.json
+    vlgrpo unlock-stale [--directory DIR]    before snakemake, after a Snakemake was killed hard
 """
 
 from __future__ import annotations
@@ -23,26 +24,13 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 from vlgrpo import config as config_lib
 from vlgrpo import paths
 from vlgrpo.errors import VlgrpoError
 
 
-def parse_assignment(text: str) -> dict:
-    """'a.b.c=value' -> {'a.b.c': value}, the value parsed as YAML (numbers, lists, null)."""
-    if "=" not in text:
-        raise config_lib.ConfigError(f"--set expects key=value, got {text!r}")
-    key, value = text.split("=", 1)
-    return config_lib.expand_dotted({key: yaml.safe_load(value)})
-
-
 def cmd_resolve(args) -> None:
-    overrides: dict = {}
-    for item in args.set or []:
-        overrides = config_lib.deep_merge(overrides, parse_assignment(item))
-    cfg = config_lib.load(*args.configs, overrides=overrides)
+    cfg = config_lib.load(*args.configs, overrides=config_lib.parse_assignments(args.set or []))
     out = paths.path(paths.RESOLVED, config_lib.experiment_dir(cfg))
     config_lib.write_resolved(cfg, out)
     print(out)
@@ -112,6 +100,12 @@ def cmd_train(args) -> None:
         sys.exit(f"vlgrpo train: the segment to step {args.end_step} failed (exit status {child.returncode})")
 
 
+def cmd_unlock_stale(args) -> None:
+    from vlgrpo import locks
+
+    print(locks.release_stale(Path(args.directory) / ".snakemake"))
+
+
 def cmd_report(argv) -> None:
     from vlgrpo.report import main as report_main
 
@@ -156,6 +150,9 @@ def main(argv=None) -> None:
             p.add_argument("--step", type=int, required=True)
         if name == "train":
             p.add_argument("--end-step", type=int, required=True)
+    p = sub.add_parser("unlock-stale", help="release the lock of a Snakemake that was killed hard on this host")
+    p.add_argument("--directory", default=".", help="the Snakemake working directory")
+    p.set_defaults(func=cmd_unlock_stale)
     sub.add_parser("report", help="the analysis report (see vlgrpo report --help)")
     sub.add_parser("bench", help="the GRPO step benchmark (see vlgrpo bench --help)")
     args = parser.parse_args(argv)

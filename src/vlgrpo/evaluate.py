@@ -21,14 +21,13 @@ import torch
 
 from vlgrpo import config as config_lib
 from vlgrpo import metrics, paths, plan
-from vlgrpo.batch import PromptBatch
 from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
 from vlgrpo.data.filtering import load_filtered
-from vlgrpo.data.prompts import encode_prompts
 from vlgrpo.data.sources import load_processor
 from vlgrpo.policy import load_model, resolve_device
-from vlgrpo.rewards import Grading, reward_from_config, start_workers
+from vlgrpo.rewards import reward_from_config, start_workers
 from vlgrpo.rollout import SamplingParams, make_engine
+from vlgrpo.rollout.graded import generate_and_grade
 from vlgrpo.rollout.sampling import sample_key
 from vlgrpo.tracking import SAMPLES, Tracker
 
@@ -64,6 +63,7 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     exp = config_lib.experiment_dir(cfg)
     data, val = cfg["data"], cfg["worker"]["rollout"]["val_override_config"]
     device = resolve_device(cfg["trainer"]["device"])
+    cfg = config_lib.for_device(cfg, device)
     processor = load_processor(cfg["model"]["path"])
     rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))
     reward_fn = reward_from_config(cfg, [r["answer"] for r in rows[:8]])  # stops here if it breaks the contract
@@ -73,19 +73,15 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     engine = make_engine(rollout["engine"], model, processor, rollout["cuda_graph"])
 
     n = val["n"]
-    encode_start = time.perf_counter()
-    enc = encode_prompts(processor, rows, device)  # pixel values made on the model's device: no host copy of them
-    prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(n)
-    keys = torch.tensor([sample_key(cfg["seed"], VAL_STREAM, r["index"], j) for r in rows for j in range(n)])
     params = SamplingParams(val["temperature"], val["top_p"], data["max_response_length"])
-    batch = data["val_batch_size"] if data["val_batch_size"] > 0 else len(prompts)
-    gen_start = time.perf_counter()
-    out = engine.generate(prompts, keys, params, batch_size=batch, progress=True)
+    batch = data["val_batch_size"] if data["val_batch_size"] > 0 else len(rows) * n
+    prompts, out, grading, timing = generate_and_grade(
+        engine, processor, rows, n, (cfg["seed"], VAL_STREAM), params, batch, reward_fn, device, progress=True
+    )
     score_start = time.perf_counter()
-    answers = [r["answer"] for r in rows for _ in range(n)]
-    scores, errors = Grading(reward_fn, out.texts, answers, lengths=out.lengths.tolist()).result()  # on several CPU cores where there are
-    timing = {"encode": gen_start - encode_start, "generation": score_start - gen_start,
-              "scoring": time.perf_counter() - score_start}
+    scores, errors = grading.result()  # on several CPU cores where there are
+    timing = {"encode": timing["encode"], "generation": timing["generation"],
+              "scoring": timing.pop("grading") + time.perf_counter() - score_start}
 
     def mean(key):
         return sum(s[key] for s in scores) / len(scores)

@@ -136,7 +136,11 @@ def set_aligned_vision_mlp(model, aligned: bool) -> None:
 
 
 def prepare_model(model, model_cfg: dict, device: torch.device, trainable: bool):
-    """Move to `device` in eval mode and apply the model settings (also to an in-memory model)."""
+    """Move to `device` in eval mode and apply the model settings (also to an in-memory model).
+
+    model_cfg: the `model` group of config.for_device(cfg, device), its `auto` switches resolved."""
+    if "auto" in model_cfg.values():
+        raise ConfigError("model settings with 'auto' switches: resolve them with config.for_device first")
     model = model.to(device)
     model.eval()
     vision = model.model.visual.config

@@ -38,13 +38,13 @@ from vlgrpo import grpo, metrics, paths, plan
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
 from vlgrpo.data.filtering import load_filtered
-from vlgrpo.data.prompts import encode_prompts
 from vlgrpo.data.sources import load_processor
 from vlgrpo.errors import VlgrpoError
 from vlgrpo.optim import build_optimizer, lr_at
 from vlgrpo.policy import ForwardOptions, load_model, micro_batches, prepare_model, resolve_device, response_logprobs
-from vlgrpo.rewards import Grading, reward_from_config
+from vlgrpo.rewards import reward_from_config
 from vlgrpo.rollout import SamplingParams, make_engine
+from vlgrpo.rollout.graded import generate_and_grade
 from vlgrpo.rollout.sampling import sample_key
 from vlgrpo.tracking import Tracker, read_metrics
 
@@ -57,7 +57,7 @@ class NonFiniteError(VlgrpoError, RuntimeError):
 
 def training_hash(cfg: dict) -> str:
     """Hash of everything that changes what training computes (not max_steps, logging, retention)."""
-    return config_lib.config_hash({k: cfg[k] for k in ("seed", "model", "data", "algorithm", "worker")})
+    return config_lib.config_hash({k: cfg[k] for k in config_lib.TRAIN_KEYS})
 
 
 @contextlib.contextmanager
@@ -103,11 +103,11 @@ class Faults:
 
 class GRPOTrainer:
     def __init__(self, cfg: dict, heartbeat: Heartbeat | None = None):
-        self.cfg = cfg
+        self.device = resolve_device(cfg["trainer"]["device"])
+        self.cfg = cfg = config_lib.for_device(cfg, self.device)
         self.exp_dir = config_lib.experiment_dir(cfg)
         self.heartbeat = heartbeat or Heartbeat(None)
         self.faults = Faults()
-        self.device = resolve_device(cfg["trainer"]["device"])
         self.processor = load_processor(cfg["model"]["path"])
         self.rows = load_filtered(paths.path(paths.FILTERED, self.exp_dir, split="train"))
         self.batch_size = cfg["worker"]["rollout"]["batch_size"]
@@ -190,19 +190,15 @@ class GRPOTrainer:
             torch.cuda.reset_accumulated_memory_stats()
         step_start = time.perf_counter()
         rows = [self.rows[i] for i in self.batch_indices(step)]
-        with timer(timing, "gen"):
-            enc = encode_prompts(self.processor, rows, self.device)  # pixels made on the model's device: no host copies on a GPU
-            prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(n)
-            keys = torch.tensor([sample_key(cfg["seed"], step, r["index"], j) for r in rows for j in range(n)])
-            params = SamplingParams(
-                rollout_cfg["temperature"], rollout_cfg["top_p"], cfg["data"]["max_response_length"], rollout_cfg["ignore_eos"]
-            )
-            out = self.engine.generate(prompts, keys, params, batch_size=len(prompts))
-        self.heartbeat.beat()
+        params = SamplingParams(
+            rollout_cfg["temperature"], rollout_cfg["top_p"], cfg["data"]["max_response_length"], rollout_cfg["ignore_eos"]
+        )
         # Grading runs on other CPU cores while old and ref run; `reward` is the time the step waits for it.
-        reward_start = time.perf_counter()
-        grading = Grading(self.reward_fn, out.texts, [r["answer"] for r in rows for _ in range(n)], lengths=out.lengths.tolist())
-        reward_s = time.perf_counter() - reward_start
+        prompts, out, grading, gen_timing = generate_and_grade(
+            self.engine, self.processor, rows, n, (cfg["seed"], step), params, len(rows) * n, self.reward_fn, self.device
+        )
+        timing["gen"], reward_s = gen_timing["encode"] + gen_timing["generation"], gen_timing["grading"]
+        self.heartbeat.beat()
         micro = actor["micro_batch_size_per_device_for_experience"]
         with timer(timing, "old"):  # the update fills the rows it computes itself (old_logprobs_from_update)
             first = actor["global_batch_size"] * n if actor["old_logprobs_from_update"] else 0
@@ -336,7 +332,8 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
     if end_step > trainer.total_steps:
         raise ValueError(f"end step {end_step} is past the run's last step {trainer.total_steps}")
     start = trainer.store.latest() or 0
-    if start and trainer.store.state(start)["config_hash"] != training_hash(cfg):
+    run_id = trainer.store.state(start)["wandb_run_id"] if start else None
+    if start and trainer.store.state(start)["config_hash"] != training_hash(trainer.cfg):
         raise config_lib.ConfigError(
             f"checkpoint {trainer.store.path(start)} was made with a different training config; "
             f"use a new experiment name, or delete {trainer.store.root} to start over"
@@ -364,7 +361,7 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
         "end_step": end_step,
         "start_step": start,
         "checkpoint": str(trainer.store.path(end_step)),
-        "config_hash": training_hash(cfg),
+        "config_hash": training_hash(trainer.cfg),
         "metrics": summary,
         "timing_s": times,
     }

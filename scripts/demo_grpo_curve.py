@@ -5,7 +5,7 @@ experiment's resolved config and filtered splits (the demo workflow's first jobs
 `vlgrpo resolve/make-demo-data/make-demo-model/filter`). Writes validations as steps 10000+N so the
 experiment's own files are untouched.
 
-    python benchmarks/demo/grpo_curve.py results/demo/config.resolved.yaml --steps 150 --every 25 \
+    python scripts/demo_grpo_curve.py results/demo/config.resolved.yaml --steps 150 --every 25 \
         --set model.freeze_vision_tower=true --set worker.actor.optim.lr=1.0e-3
 """
 
@@ -13,7 +13,6 @@ import argparse
 import time
 
 from vlgrpo import config
-from vlgrpo.cli import parse_assignment
 from vlgrpo.evaluate import evaluate
 from vlgrpo.trainer import GRPOTrainer
 
@@ -27,10 +26,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=25)
     parser.add_argument("--set", action="append", default=[], help="key.sub=value (YAML value)")
     args = parser.parse_args()
-    overrides: dict = {}
-    for item in args.set:
-        overrides = config.deep_merge(overrides, parse_assignment(item))
-    cfg = config.validate(config.deep_merge(config.read_resolved(args.config), overrides))
+    cfg = config.validate(config.deep_merge(config.read_resolved(args.config), config.parse_assignments(args.set)))
     trainer = GRPOTrainer(cfg)
     trainer.load(0)
     start = time.perf_counter()

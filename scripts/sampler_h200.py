@@ -1,6 +1,8 @@
 """The fused sampling kernel against keyed_sample_torch on a GPU: same tokens? how much faster?
 
-    python benchmarks/sampler_h200.py --out sampler.json
+    python scripts/sampler_h200.py --out benchmarks/results/sampler_h200.json
+
+CUDA only (the Triton kernel runs compiled there; tests/test_fused_sampling.py runs it on the CPU).
 
 bf16 logits of Qwen2.5-VL's vocabulary (151,936) at the decode shapes of the benchmark (128 rows:
 a training rollout; 601 rows: the evaluation), flat to peaked rows, the vision placeholders and the
@@ -20,16 +22,27 @@ import torch
 from vlgrpo.rollout.fused_sampling import keyed_sample_fused
 from vlgrpo.rollout.sampling import keyed_sample_torch, row_hash, sample_key
 
-from diagnose_h200 import cuda_ms  # CUDA-event ms per call, after warm-ups (this folder is on sys.path)
-
 VOCAB = 151936
 BANNED = [*range(151652, 151657), *range(151665, VOCAB)]  # vision placeholders, ids past the tokenizer
 SETTINGS = {"train": (1.0, 1.0), "validation": (0.6, 0.95), "greedy": (0.0, 1.0), "nucleus_0.3": (1.0, 0.3)}
 
 
+def cuda_ms(fn, reps: int = 20) -> float:
+    """Milliseconds of one call of `fn`: CUDA events around `reps` calls, after 3 warm-ups."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="sampler.json")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/sampler_h200.json")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     generator = torch.Generator(device=device).manual_seed(0)

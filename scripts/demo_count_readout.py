@@ -6,7 +6,7 @@ head (everything else frozen), lm (the tower frozen), tower (the language model 
 This is how the demo found that training the tower and the language model together at lr 1e-3
 erases the image pathway (accuracy 0.25) while either alone learns it.
 
-    python benchmarks/demo/count_readout.py results/_demo/tiny_qwen2_5_vl results/_demo/geometry_synth --train all --lr 1e-3
+    python scripts/demo_count_readout.py results/_demo/tiny_qwen2_5_vl results/_demo/geometry_synth --train all --lr 1e-3
 """
 
 import argparse

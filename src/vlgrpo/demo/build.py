@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlgrpo import atomic
 from vlgrpo.data import IMAGE_FACTOR, decode_image, render_prompt, resize_image
 from vlgrpo.demo.model import count_parameters, init_model
 from vlgrpo.demo.perception import warm_up_vision
@@ -67,7 +68,7 @@ def make_model(cfg: dict, out_dir: Path) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     processor.save_pretrained(tmp)
-    _replace_dir(tmp, out_dir)
+    atomic.replace_dir(tmp, out_dir)
 
     image = rows[0]["images"][0]
     return {
@@ -80,12 +81,3 @@ def make_model(cfg: dict, out_dir: Path) -> dict:
         "warmup": warmup,
         "seconds": round(time.perf_counter() - start, 3),
     }
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move folder `src` to `dst`, replacing any old `dst`; a reader never sees a half-written `dst`."""
-    old = dst.with_name(f".{dst.name}.old{os.getpid()}")
-    if dst.exists():
-        os.replace(dst, old)
-    os.replace(src, dst)
-    shutil.rmtree(old, ignore_errors=True)

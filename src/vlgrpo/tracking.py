@@ -77,6 +77,14 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log({"global_step": record["step"], **{k: v for k, v in record.items() if k != "step"}})
 
+    def amend(self, step: int, fields: dict) -> None:
+        """Add `fields` to step's record (e.g. a segment's timings after its last step): the merged record
+        is appended, and readers keep the last record of a step."""
+        record = next((r for r in read_metrics(self.path) if r["step"] == step), {"step": step})
+        append_record(self.path, {**record, **fields})
+        if self.wandb is not None:
+            self.wandb.log({"global_step": step, **fields})
+
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()

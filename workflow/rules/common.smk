@@ -5,7 +5,7 @@ import subprocess
 from pathlib import Path
 
 from vlgrpo import config as config_lib
-from vlgrpo import paths, plan
+from vlgrpo import paths, plan, val_results
 from vlgrpo.config import ConfigError
 
 try:

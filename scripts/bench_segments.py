@@ -11,8 +11,12 @@ workflow, recipe + configs/speed_h200.yaml, every response 512 tokens):
     python3 scripts/bench_segments.py --out benchmarks/results/bench_segments_h200.json
 CPU (the tiny demo model and synthetic task the workflow builds; minutes):
     python scripts/bench_segments.py --cpu --out /tmp/bench_segments_cpu.json
-The experiment runs under --workdir (default /tmp/vlgrpo_bench_segments, deleted first); the JSON
-names the disk it wrote to.
+The experiment runs under --workdir (default /tmp/vlgrpo_bench_segments, deleted first unless
+--resume: then Snakemake carries on with what is there, e.g. after a device call ran out of time);
+the JSON names the disk it wrote to. On a lent H200 (carry .benchdata; ~8-9 minutes):
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .benchdata/whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD/src PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1
+    python3 scripts/bench_segments.py --out $OUT/bench_segments_h200.json
 """
 
 from __future__ import annotations
@@ -62,7 +66,9 @@ def overlay(args, work: Path) -> tuple[list[Path], dict]:
     else:
         data = Path(args.data).resolve()
         model = work / "qwen2_5_vl_3b_random"
-        subprocess.run([sys.executable, __file__, "--make-model", str(data / "qwen2_5_vl_3b"), str(model)], check=True)
+        if not any(model.glob("*.safetensors")):
+            shutil.rmtree(model, ignore_errors=True)
+            subprocess.run([sys.executable, __file__, "--make-model", str(data / "qwen2_5_vl_3b"), str(model)], check=True)
         cfg = {
             "experiment": EXPERIMENT, "results_dir": str(work / "results"),
             "model": {"path": str(model)},
@@ -134,6 +140,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--cpu", action="store_true", help="the tiny demo model on the CPU")
     parser.add_argument("--workdir", default="/tmp/vlgrpo_bench_segments")
     parser.add_argument("--data", default=str(ROOT / ".benchdata"), help="what scripts/device_wheels.sh prepared")
+    parser.add_argument("--resume", action="store_true", help="keep --workdir and what was done in it")
     parser.add_argument("--segments", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="steps per segment")
     parser.add_argument("--make-model", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
@@ -142,8 +149,9 @@ def main(argv=None) -> dict:
         return make_random_model(Path(args.make_model[0]), Path(args.make_model[1]))
 
     work = Path(args.workdir).resolve()
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    if not args.resume:
+        shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
     files, cfg = overlay(args, work)
     exp = work / "results" / EXPERIMENT
     ends = [args.steps * (i + 1) for i in range(args.segments)]

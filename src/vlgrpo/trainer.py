@@ -181,6 +181,7 @@ class GRPOTrainer:
         refused and the one before it used); (step, its state), (0, {}) for a fresh start."""
         with timer(timing, "build_model"):
             self._build()
+        self.heartbeat.beat()
         with timer(timing, "load_checkpoint"):
             start, state = self.store.restore(self.policy, self.optimizer, upto)
         self._make_engine()

@@ -18,7 +18,8 @@ from vlgrpo import val_results
 
 from conftest import make_experiment
 from vlgrpo import config, paths
-from vlgrpo.checkpoint import CheckpointStore
+from vlgrpo.checkpoint import CheckpointStore, model_tensors
+from vlgrpo.policy import load_model
 from vlgrpo.tracking import read_metrics
 from vlgrpo.trainer import GRPOTrainer, NonFiniteError, run_segment
 
@@ -80,7 +81,7 @@ def test_resume_is_exact(demo_base, tmp_path):
         assert torch.equal(final[1][name], tensor), name
         assert torch.equal(final[2][name], tensor), name
     # Something was learned: the weights moved from the base model.
-    base = load_file(Path(straight["model"]["path"]) / "model.safetensors")
+    base = model_tensors(load_model(straight["model"]["path"], straight["model"], torch.device("cpu"), trainable=False))
     assert any(not torch.equal(base[n], t) for n, t in final[0].items())
 
     # A forced rerun of a finished segment does not retrain.

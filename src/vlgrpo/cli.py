@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+import yaml
+
 from vlgrpo import config as config_lib
 from vlgrpo import paths
 from vlgrpo.errors import VlgrpoError
@@ -81,10 +84,12 @@ def cmd_train(args) -> None:
     heartbeat.parent.mkdir(parents=True, exist_ok=True)
     heartbeat.touch()
     timeout = cfg["trainer"]["stall_timeout_s"]
+    started = psutil.Process().create_time()  # the segment's startup time counts from the job's start
     child = subprocess.Popen(
         [sys.executable, "-m", "vlgrpo.trainer", "--config", str(args.config), "--end-step", str(args.end_step),
          "--marker", str(marker), "--heartbeat", str(heartbeat)],
         start_new_session=True,
+        env={**os.environ, "VLGRPO_JOB_START": str(started)},
     )
     forward = lambda signum, _frame: os.killpg(child.pid, signum)  # noqa: E731 Snakemake's SIGTERM/SIGINT
     signal.signal(signal.SIGTERM, forward)

@@ -17,6 +17,7 @@ from typing import Any
 import jsonschema
 import yaml
 
+from vlgrpo import atomic
 from vlgrpo.errors import VlgrpoError
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
@@ -250,11 +251,7 @@ def experiment_dir(cfg: dict) -> Path:
 
 def write_resolved(cfg: dict, path: str | os.PathLike) -> None:
     """Write the resolved config, replacing the file atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    os.replace(tmp, path)
+    atomic.write_text(path, yaml.safe_dump(cfg, sort_keys=False))
 
 
 def read_resolved(path: str | os.PathLike) -> dict:

@@ -7,21 +7,22 @@ every step, chosen by the seed) and val/step_XXXXXX.generations.jsonl (every res
 the metrics also go into metrics.jsonl as the step's validation record (and W&B, when configured).
 The sampling noise of item i is keyed by (seed, item, sample) only, the same at every step, so the
 difference between two checkpoints is not sampling luck.
+A training segment validates its own checkpoint in-process (evaluate(..., in_process=True)); the
+evaluate rule then adopts that result instead of validating again (val_results).
 Launch: `vlgrpo evaluate --config results/<exp>/config.resolved.yaml --step N`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
 from vlgrpo import config as config_lib
-from vlgrpo import metrics, paths, plan
-from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
+from vlgrpo import atomic, metrics, paths, val_results
+from vlgrpo.checkpoint import CheckpointStore
 from vlgrpo.data.filtering import load_filtered
 from vlgrpo.data.sources import load_processor
 from vlgrpo.policy import load_model, resolve_device
@@ -53,10 +54,11 @@ def model_path_for(cfg: dict, step: int) -> str:
     return str(folder)
 
 
-def evaluate(cfg: dict, step: int, model=None) -> dict:
+def evaluate(cfg: dict, step: int, model=None, in_process: bool = False) -> dict:
     """Validate step `step`; write its JSON and JSONL; return the record.
 
-    model: an in-memory model to validate instead of loading step's (the benchmark's random weights).
+    model: an in-memory model to validate instead of loading step's (the trainer's policy, the
+    benchmark's random weights). in_process: write the result aside for the evaluate rule to adopt.
     """
     start = time.perf_counter()
     start_workers()  # the grading processes spawn and import while the model loads and generates
@@ -112,25 +114,19 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     ]
     record["timing_s/validation"] = time.perf_counter() - start
 
-    generations = paths.path(paths.GENERATIONS, exp, step=step)
-    generations.parent.mkdir(parents=True, exist_ok=True)
-    tmp = generations.with_name(f".{generations.name}.tmp")
-    with open(tmp, "w") as f:
-        for k, text in enumerate(out.texts):
-            row = rows[k // n]
-            line = {"index": row["index"], "sample": k % n, "ground_truth": row["answer"], "response": text,
-                    "length": int(out.lengths[k]), "truncated": bool(out.truncated[k]), **scores[k]}
-            f.write(json.dumps(line) + "\n")
-    os.replace(tmp, generations)
-    write_json_atomic(paths.path(paths.VAL, exp, step=step), record)
+    record["eval_key"] = val_results.eval_key(cfg)
+    record["validated_in_process"] = in_process
+
+    lines = []
+    for k, text in enumerate(out.texts):
+        row = rows[k // n]
+        line = {"index": row["index"], "sample": k % n, "ground_truth": row["answer"], "response": text,
+                "length": int(out.lengths[k]), "truncated": bool(out.truncated[k]), **scores[k]}
+        lines.append(json.dumps(line) + "\n")
+    generations, val = (paths.GENERATIONS_IN_PROCESS, paths.VAL_IN_PROCESS) if in_process else (paths.GENERATIONS, paths.VAL)
+    atomic.write_lines(paths.path(generations, exp, step=step), lines)  # the record last: it says the pair is complete
+    atomic.write_json(paths.path(val, exp, step=step), record)
     return record
-
-
-def prune_after_validation(cfg: dict, step: int) -> None:
-    """Weights of a validated checkpoint that is no longer among the newest ones can go now."""
-    if step:
-        stats = json.loads(paths.path(paths.STATS, config_lib.experiment_dir(cfg), split="train").read_text())
-        apply_retention(cfg, plan.total_steps(cfg, stats["steps_per_epoch"]))
 
 
 def log_validation(cfg: dict, record: dict, tracker: Tracker | None = None) -> None:
@@ -138,14 +134,14 @@ def log_validation(cfg: dict, record: dict, tracker: Tracker | None = None) -> N
     experiment's W&B run (through `tracker` when the caller holds one open, else a job-own one)."""
     own = tracker is None
     tracker = tracker or Tracker(cfg, config_lib.experiment_dir(cfg))
-    tracker.log({k: v for k, v in record.items() if k != SAMPLES}, kind="val")
+    tracker.log({k: v for k, v in record.items() if k != SAMPLES and isinstance(v, (int, float))}, kind="val")
     if own:
         tracker.close()
 
 
 def main(config_path: str | Path, step: int) -> dict:
+    """The evaluate rule: adopt the segment's own validation of `step` if it has one, else validate."""
     cfg = config_lib.read_resolved(config_path)
-    record = evaluate(cfg, step)
+    record = val_results.adopt(cfg, step) or evaluate(cfg, step)
     log_validation(cfg, record)
-    prune_after_validation(cfg, step)
     return record

@@ -30,18 +30,19 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import psutil
 import torch
 from tqdm.auto import tqdm
 
 from vlgrpo import config as config_lib
-from vlgrpo import grpo, metrics, paths, plan
+from vlgrpo import atomic, evaluate, grpo, metrics, paths, plan, val_results
 from vlgrpo.batch import PromptBatch, to_device
-from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
+from vlgrpo.checkpoint import CheckpointStore, apply_retention
 from vlgrpo.data.filtering import load_filtered
 from vlgrpo.data.sources import load_processor
 from vlgrpo.errors import VlgrpoError
 from vlgrpo.optim import build_optimizer, lr_at
-from vlgrpo.policy import ForwardOptions, load_model, micro_batches, prepare_model, resolve_device, response_logprobs
+from vlgrpo.policy import ForwardOptions, load_pretrained, micro_batches, prepare_model, resolve_device, response_logprobs
 from vlgrpo.rewards import reward_from_config
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.graded import generate_and_grade
@@ -128,27 +129,42 @@ class GRPOTrainer:
         return order[position * self.batch_size : (position + 1) * self.batch_size].tolist()
 
     # --- state -----------------------------------------------------------------------------
-    def load(self, step: int, base=None) -> None:
-        """Policy, reference, optimizer and rollout engine, resumed from checkpoint `step` (0 = base).
+    def _build(self, base=None) -> None:
+        """Policy, reference and optimizer from the base model, read once: the reference is a copy.
 
-        base: an in-memory base model used instead of model.path at step 0 (the benchmark's random
-        weights); the reference is a copy of it.
+        base: an in-memory base model used instead of model.path (the benchmark's random weights).
         """
         model_cfg = self.cfg["model"]
-        if base is not None and step:
-            raise ValueError("an in-memory base model only starts a run (step 0)")
+        base = load_pretrained(model_cfg["path"], model_cfg, self.device) if base is None else base
         algorithm = self.cfg["algorithm"]
         if algorithm["use_kl_loss"] and algorithm["kl_coef"] > 0:
-            self.ref = (load_model(model_cfg["path"], model_cfg, self.device, trainable=False) if base is None
-                        else prepare_model(copy.deepcopy(base), model_cfg, self.device, trainable=False))
-        source = self.store.model_dir(step) if step else model_cfg["path"]
-        self.policy = (load_model(source, model_cfg, self.device, trainable=True) if base is None
-                       else prepare_model(base, model_cfg, self.device, trainable=True))
+            self.ref = prepare_model(copy.deepcopy(base), model_cfg, self.device, trainable=False)
+        self.policy = prepare_model(base, model_cfg, self.device, trainable=True)
         self.optimizer = build_optimizer(self.cfg, self.policy)
-        if step:
-            self.store.load_optimizer(step, self.optimizer)
+
+    def _make_engine(self) -> None:
         rollout = self.cfg["worker"]["rollout"]
         self.engine = make_engine(rollout["engine"], self.policy, self.processor, rollout["cuda_graph"])
+
+    def load(self, step: int, base=None) -> None:
+        """Policy, reference, optimizer and rollout engine, resumed from checkpoint `step` (0 = base)."""
+        if base is not None and step:
+            raise ValueError("an in-memory base model only starts a run (step 0)")
+        self._build(base)
+        if step:
+            self.store.load(step, self.policy, self.optimizer)
+        self._make_engine()
+
+    def resume(self, upto: int, timing: dict) -> tuple[int, dict]:
+        """Build the models and load the newest intact checkpoint at most `upto` (a corrupt one is
+        refused and the one before it used); (step, its state), (0, {}) for a fresh start."""
+        with timer(timing, "build_model"):
+            self._build()
+        self.heartbeat.beat()
+        with timer(timing, "load_checkpoint"):
+            start, state = self.store.restore(self.policy, self.optimizer, upto)
+        self._make_engine()
+        return start, state
 
     def save(self, step: int, run_id: str) -> Path:
         epoch, position = divmod(step, self.steps_per_epoch)
@@ -157,10 +173,21 @@ class GRPOTrainer:
             "data_position": {"epoch": epoch, "batch_in_epoch": position, "steps_per_epoch": self.steps_per_epoch},
             "wandb_run_id": run_id,
         }
-        if self.faults.fires("kill_in_save", step):
-            self.policy.save_pretrained(self.store.root / f".tmp_global_step_{step:06d}" / "model")
-            os.kill(os.getpid(), signal.SIGKILL)
-        return self.store.save(step, self.policy, self.processor, self.optimizer, state)
+        kill = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if self.faults.fires("kill_in_save", step) else None
+        return self.store.save(step, self.policy, self.optimizer, self.processor, state, before_publish=kill)
+
+    def validate(self, step: int) -> dict | None:
+        """Validate checkpoint `step` with the policy in memory (as the evaluate rule would, written
+        aside for it to adopt); None if validation failed: the checkpoint stands, the rule validates it."""
+        self.optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free for generation
+        try:
+            return evaluate.evaluate(self.cfg, step, model=self.policy, in_process=True)
+        except Exception:
+            log.exception("in-process validation of step %d failed; the evaluate rule will validate it", step)
+            return None
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     # --- one step --------------------------------------------------------------------------
     def _micro_batches(self, prompts: PromptBatch, mask, rows: list[int], micro: int) -> list[list[int]]:
@@ -326,36 +353,52 @@ class GRPOTrainer:
 
 
 def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | None = None) -> dict:
-    """Train from the latest checkpoint to `end_step`, save a checkpoint there, write the marker last."""
-    times = {}
+    """Train from the latest checkpoint to `end_step`, save a checkpoint there, validate it in-process
+    if it is on the validation grid, write the marker last.
+
+    The job's phases go to the marker and, as timing_s/*, into end_step's record in metrics.jsonl:
+    startup (job start to model build: interpreter, imports, data), build_model, load_checkpoint,
+    train, save_checkpoint, validation.
+    """
+    job_start = float(os.environ.get("VLGRPO_JOB_START") or psutil.Process().create_time())
+    times: dict[str, float] = {}
     trainer = GRPOTrainer(cfg, heartbeat)
     if end_step > trainer.total_steps:
         raise ValueError(f"end step {end_step} is past the run's last step {trainer.total_steps}")
     start = trainer.store.latest() or 0
-    run_id = trainer.store.state(start)["wandb_run_id"] if start else None
-    if start and trainer.store.state(start)["config_hash"] != training_hash(trainer.cfg):
-        raise config_lib.ConfigError(
-            f"checkpoint {trainer.store.path(start)} was made with a different training config; "
-            f"use a new experiment name, or delete {trainer.store.root} to start over"
-        )
-    tracker = Tracker(cfg, trainer.exp_dir)
+    validation = None
+    tracker = None
     if start < end_step:
-        with timer(times, "load"):
-            trainer.load(start)
+        times["startup"] = time.time() - job_start
+        start, state = trainer.resume(end_step, times)
+        if start and state["config_hash"] != training_hash(trainer.cfg):
+            raise config_lib.ConfigError(
+                f"checkpoint {trainer.store.path(start)} was made with a different training config; "
+                f"use a new experiment name, or delete {trainer.store.root} to start over"
+            )
+        tracker = Tracker(cfg, trainer.exp_dir)
         trainer.heartbeat.beat()
         with timer(times, "train"):
             for step in tqdm(range(start + 1, end_step + 1), desc=f"segment to {end_step}", initial=start, total=end_step):
                 record = trainer.step(step)
                 tracker.log(record)
                 trainer.heartbeat.beat()
-        with timer(times, "save"):
+        with timer(times, "save_checkpoint"):
             trainer.save(end_step, tracker.run_id)
-        tracker.add_timings(end_step, {"save_checkpoint": times["save"]})
-        apply_retention(cfg, trainer.total_steps)
+        trainer.heartbeat.beat()
+        if end_step in plan.validation_steps(cfg, trainer.total_steps):
+            with timer(times, "validation"):
+                validation = trainer.validate(end_step)
+            trainer.heartbeat.beat()
+        apply_retention(cfg, trainer.total_steps, lambda s: val_results.is_validated(cfg, s))
+        parts = {} if validation is None else {f"validation_{k.split('/')[1]}": validation[k] for k in
+                                               ("timing_s/encode", "timing_s/generation", "timing_s/scoring")}
+        tracker.add_timings(end_step, {**times, **parts})
     else:
         log.info("checkpoint %d already covers step %d: nothing to train", start, end_step)
-    tracker.close()
-    last = next((r for r in read_metrics(tracker.path) if r["step"] == end_step), {})
+    if tracker is not None:
+        tracker.close()
+    last = next((r for r in read_metrics(paths.path(paths.METRICS, trainer.exp_dir)) if r["step"] == end_step), {})
     summary = {k: last[k] for k in ("reward/overall", "reward/format", "reward/accuracy", "actor/kl_loss") if k in last}
     out = {
         "end_step": end_step,
@@ -363,10 +406,12 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
         "checkpoint": str(trainer.store.path(end_step)),
         "config_hash": training_hash(trainer.cfg),
         "metrics": summary,
+        "validated_in_process": validation is not None,
         "timing_s": times,
+        "job_start": job_start,
+        "job_end": time.time(),
     }
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(marker, out)
+    atomic.write_json(marker, out)
     return out
 
 

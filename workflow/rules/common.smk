@@ -2,7 +2,7 @@ import json
 from pathlib import Path
 
 from vlgrpo import config as config_lib
-from vlgrpo import locks, paths, plan
+from vlgrpo import locks, paths, plan, val_results
 from vlgrpo.config import ConfigError
 from vlgrpo.report.plots import FIGURES
 

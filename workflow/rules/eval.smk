@@ -15,7 +15,8 @@ rule evaluate:
         # Step 0 depends on the base model and the validation settings; a checkpoint on training too.
         key=lambda w: config_key(*EVAL_KEYS, *(config_lib.TRAIN_KEYS if step_of(w) else ())),
     resources:
-        gpu=EVAL_GPUS,
+        # Adopting a segment's in-process validation is a rename: no GPU (read when the job starts).
+        gpu=lambda w: 0 if val_results.in_process_result(CFG, step_of(w)) else EVAL_GPUS,
     log:
         f"{EXP}/logs/evaluate_{{step}}.log",
     conda:

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from transformers import ProcessorMixin
 
+from vlgrpo import atomic
 from vlgrpo.data.images import (
     ResizeMismatchError,
     check_image_grid,
@@ -213,17 +214,6 @@ def token_stats(lengths: list[int]) -> dict[str, float]:
     }
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Call write(tmp_path), then rename tmp_path to `path`; a crash leaves no partial `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def filter_split(
     cfg: dict, split: str, out_parquet: str | os.PathLike, out_stats: str | os.PathLike, workers: int | None = None
 ) -> dict:
@@ -299,8 +289,9 @@ def filter_split(
         "steps_per_epoch": len(kept) // batch_size,  # drop_last
     }
     table = pa.Table.from_pylist(kept, schema=OUTPUT_FEATURES.arrow_schema)
-    _atomic_write(Path(out_parquet), lambda p: pq.write_table(table, p))
-    _atomic_write(Path(out_stats), lambda p: p.write_text(json.dumps(stats, indent=2) + "\n"))
+    with atomic.replacing(out_parquet) as tmp:
+        pq.write_table(table, tmp)
+    atomic.write_text(out_stats, json.dumps(stats, indent=2) + "\n")
     log.info("%s: kept %d of %d rows, %d steps per epoch", data[split], len(kept), len(ds), stats["steps_per_epoch"])
     return stats
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlgrpo import atomic
 from vlgrpo.data.images import decode_image, image_tokens, processor_pixel_bounds, resize_image
 from vlgrpo.data.prompts import render_prompt
 from vlgrpo.demo.model import count_parameters, init_model
@@ -69,7 +70,7 @@ def make_model(cfg: dict, out_dir: Path) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     processor.save_pretrained(tmp)
-    _replace_dir(tmp, out_dir)
+    atomic.replace_dir(tmp, out_dir)
 
     image = rows[0]["images"][0]
     return {
@@ -82,12 +83,3 @@ def make_model(cfg: dict, out_dir: Path) -> dict:
         "warmup": warmup,
         "seconds": round(time.perf_counter() - start, 3),
     }
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move folder `src` to `dst`, replacing any old `dst`; a reader never sees a half-written `dst`."""
-    old = dst.with_name(f".{dst.name}.old{os.getpid()}")
-    if dst.exists():
-        os.replace(dst, old)
-    os.replace(src, dst)
-    shutil.rmtree(old, ignore_errors=True)

@@ -5,7 +5,7 @@ import importlib.util
 import pyarrow.parquet as pq
 
 from conftest import ROOT, SHARED
-from vlgrpo.data import load_split
+from vlgrpo.data.sources import load_split
 
 
 def load_script(name):

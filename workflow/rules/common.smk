@@ -55,7 +55,8 @@ def visible_gpus():
     return out.stdout.count("GPU ") if out.returncode == 0 else 0
 
 
-if "gpu" not in workflow.global_resources:
+# On a cluster (an executor plugin: --jobs N sets nodes) the scheduler places GPU jobs, not this count.
+if "gpu" not in workflow.global_resources and workflow.nodes is None:
     workflow.register_resource("gpu", visible_gpus())
 
 TRAIN_GPUS = CFG["trainer"]["n_gpus_per_node"] * CFG["trainer"]["nnodes"]

@@ -35,7 +35,10 @@ def slurm_missing() -> str | None:
         return "snakemake-executor-plugin-slurm is not installed (pip install -e '.[slurm]')"
     if shutil.which("sinfo") is None:
         return "no SLURM client (sinfo) on this machine"
-    out = subprocess.run(["sinfo", "-h", "-o", "%T %G"], capture_output=True, text=True)
+    try:  # without a slurm.conf sinfo retries for a minute
+        out = subprocess.run(["sinfo", "-h", "-o", "%T %G"], capture_output=True, text=True, timeout=15)
+    except subprocess.TimeoutExpired:
+        return "no SLURM controller answers within 15 s (start one: scripts/slurm_local.sh start)"
     if out.returncode != 0:
         return f"no SLURM controller answers (start one: scripts/slurm_local.sh start): {out.stderr.strip()[:200]}"
     if not re.search(r"^(idle|mixed)\S* \S*gpu", out.stdout, re.M):

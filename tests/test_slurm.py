@@ -57,14 +57,20 @@ def snakemake_cmd(workdir: Path, demo: Path, *extra: str) -> list[str]:
             "--config", *config_args(demo)]
 
 
-def slurm_jobs() -> list[tuple[str, str, str, str]]:
-    """(job id, comment, state, GPUs asked for) of the jobs SLURM knows, finished ones included."""
-    out = subprocess.run(["squeue", "-h", "--states=all", "-o", "%i|%k|%T|%b"], capture_output=True, text=True, check=True)
+def slurm_jobs() -> list[tuple[str, str, str]]:
+    """(job id, comment, state) of the jobs SLURM knows, finished ones included."""
+    out = subprocess.run(["squeue", "-h", "--states=all", "-o", "%i|%k|%T"], capture_output=True, text=True, check=True)
     return [tuple(line.split("|")) for line in out.stdout.splitlines()]
 
 
-def segment_jobs(step: str) -> list[tuple[str, str, str, str]]:
-    return [j for j in slurm_jobs() if j[1] == f"rule_train_segment_wildcards_step={step}"]
+def gpus_asked(job_id: str) -> str:
+    """What the job asked for per job (sbatch --gpus=N gives gres:gpu:N)."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-O", "tres-per-job"], capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def segment_jobs(step: str) -> list[tuple[str, str, str]]:
+    return [j for j in slurm_jobs() if j[1] == f"rule_train_segment_wildcards_{step}"]
 
 
 @pytest.mark.slow
@@ -93,7 +99,7 @@ def test_a_cancelled_segment_is_resubmitted_and_the_run_ends_as_a_local_one(tmp_
         while proc.poll() is None and cancelled is None:
             running = [j for j in segment_jobs(STEP) if j[2] == "RUNNING" and j[0] not in before]
             if running and metrics.exists() and any(r["step"] == 3 for r in read_metrics(metrics)):
-                cancelled = running[0]
+                cancelled = running[0] + (gpus_asked(running[0][0]),)
                 subprocess.run(["scancel", cancelled[0]], check=True)  # mid-segment: step 3 done, step 4 not
             time.sleep(0.5)
         proc.wait(timeout=TIMEOUT_S + 30)
@@ -106,10 +112,10 @@ def test_a_cancelled_segment_is_resubmitted_and_the_run_ends_as_a_local_one(tmp_
     text = log.read_text()
     assert proc.returncode == 0, text[-4000:]
     assert cancelled is not None, "the segment to step 4 finished before its job could be cancelled"
-    assert "gpu" in cancelled[3], f"the train segment's job asked for no GPU: {cancelled}"
+    assert cancelled[3] == "gres:gpu:1", f"the train segment's job asked for {cancelled[3]!r}, not one GPU"
 
     # The cancelled job failed in Snakemake's eyes, and a second job ran the segment to its end.
-    states = {job_id: state for job_id, _comment, state, _gpus in segment_jobs(STEP) if job_id not in before}
+    states = {job_id: state for job_id, _comment, state in segment_jobs(STEP) if job_id not in before}
     assert states.pop(cancelled[0]) == "CANCELLED" and list(states.values()) == ["COMPLETED"], states
     assert re.search(rf"SLURM-job '{cancelled[0]}' failed, SLURM status is: 'CANCELLED'", text)
 

@@ -26,7 +26,7 @@ from vlgrpo.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP = "000004"  # the segment whose job is cancelled: steps 3 and 4
-TIMEOUT_S = 1200  # whole SLURM run; it takes ~4 min here
+TIMEOUT_S = 1500  # the SLURM run alone; 8 min on a 2-core machine at load 15
 
 
 def slurm_missing() -> str | None:

@@ -91,12 +91,17 @@ def cmd_train(args) -> None:
         start_new_session=True,
         env={**os.environ, "VLGRPO_JOB_START": str(started)},
     )
-    forward = lambda signum, _frame: os.killpg(child.pid, signum)  # noqa: E731 Snakemake's SIGTERM/SIGINT
+    forward = lambda signum, _frame: os.killpg(child.pid, signum)  # noqa: E731 Snakemake's or scancel's SIGTERM
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    # Progress is a change of the file's mtime, timed by this host's clock: on a shared file system
+    # the mtime may come from the file server's clock, which need not agree with ours.
+    seen, changed = heartbeat.stat().st_mtime_ns, time.monotonic()
     while child.poll() is None:
         time.sleep(min(5.0, timeout / 4))
-        age = time.time() - heartbeat.stat().st_mtime
+        if (mtime := heartbeat.stat().st_mtime_ns) != seen:
+            seen, changed = mtime, time.monotonic()
+        age = time.monotonic() - changed
         if child.poll() is None and age > timeout:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()

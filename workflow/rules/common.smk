@@ -39,8 +39,9 @@ EVAL_KEYS = ("seed", "model", "data", "worker.rollout.engine", "worker.rollout.v
 # Snakemake's local executor does not pin jobs to GPUs: two GPU jobs side by side would share the
 # first one. So unless --resources gpu=N says otherwise, a node is taken to have the GPUs one job
 # uses (trainer.n_gpus_per_node), and GPU jobs run one at a time. Read from the config, not probed:
-# parsing the workflow starts no program.
-if "gpu" not in workflow.global_resources:
+# parsing the workflow starts no program. On a cluster (an executor plugin: --jobs N sets nodes) the
+# scheduler places GPU jobs, and no such limit applies.
+if "gpu" not in workflow.global_resources and workflow.nodes is None:
     workflow.register_resource("gpu", CFG["trainer"]["n_gpus_per_node"])
 
 TRAIN_GPUS = CFG["trainer"]["n_gpus_per_node"] * CFG["trainer"]["nnodes"]

@@ -6,7 +6,7 @@ load, checkpoint save, the rest of validation, the rest of the job), from the ti
 job records in metrics.jsonl and its marker (trainer.run_segment).
 
 GPU (one H200; random bf16 weights with Qwen2.5-VL-3B's config, raw Geometry3K rows filtered by the
-workflow, recipe + configs/speed_h200.yaml, every response 512 tokens):
+workflow, the recipe with its CUDA fast paths on by default, every response 512 tokens):
     bash scripts/device_wheels.sh     # here, once: wheels, model config and data into .benchdata/
     python3 scripts/bench_segments.py --out benchmarks/results/bench_segments_h200.json
 CPU (the tiny demo model and synthetic task the workflow builds; minutes):
@@ -76,7 +76,7 @@ def overlay(args, work: Path) -> tuple[list[Path], dict]:
             "worker": {"rollout": {"ignore_eos": True}},
             "trainer": {**trainer, "device": "cuda", "n_gpus_per_node": 1},
         }
-        files = [ROOT / "configs/qwen2_5_vl_3b_geo3k.yaml", ROOT / "configs/speed_h200.yaml"]
+        files = [ROOT / "configs/qwen2_5_vl_3b_geo3k.yaml"]
     path = work / "overlay.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return files + [path], cfg

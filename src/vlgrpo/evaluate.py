@@ -74,7 +74,7 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     if model is None:
         model = load_model(model_path_for(cfg, step), cfg["model"], device, trainable=False)
     rollout = cfg["worker"]["rollout"]
-    engine = make_engine(rollout["engine"], model, processor, rollout["cuda_graph"])
+    engine = make_engine(rollout["engine"], model, processor, rollout["cuda_graph"], cfg)
     reward = cfg["worker"]["reward"]
     reward_fn = load_reward_function(reward["reward_function"], reward["format_weight"])
     rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))
@@ -82,7 +82,7 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     n = val["n"]
     encode_start = time.perf_counter()
     enc = encode_prompts(processor, rows, device)  # pixel values made on the model's device: no host copy of them
-    prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(n)
+    prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows], [r["images"] for r in rows]).repeat_interleave(n)
     keys = torch.tensor([sample_key(cfg["seed"], VAL_STREAM, r["index"], j) for r in rows for j in range(n)])
     params = SamplingParams(val["temperature"], val["top_p"], data["max_response_length"])
     batch = data["val_batch_size"] if data["val_batch_size"] > 0 else len(prompts)

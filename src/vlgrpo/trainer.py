@@ -170,7 +170,7 @@ class GRPOTrainer:
         if step:
             self.store.load_optimizer(step, self.optimizer)
         rollout = self.cfg["worker"]["rollout"]
-        self.engine = make_engine(rollout["engine"], self.policy, self.processor, rollout["cuda_graph"])
+        self.engine = make_engine(rollout["engine"], self.policy, self.processor, rollout["cuda_graph"], self.cfg)
 
     def save(self, step: int, run_id: str) -> Path:
         epoch, position = divmod(step, self.steps_per_epoch)
@@ -214,7 +214,7 @@ class GRPOTrainer:
         rows = [self.rows[i] for i in self.batch_indices(step)]
         with timer(timing, "gen"):
             enc = encode_prompts(self.processor, rows, self.device)  # pixels made on the model's device: no host copies on a GPU
-            prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(n)
+            prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows], [r["images"] for r in rows]).repeat_interleave(n)
             keys = torch.tensor([sample_key(cfg["seed"], step, r["index"], j) for r in rows for j in range(n)])
             params = SamplingParams(
                 rollout_cfg["temperature"], rollout_cfg["top_p"], cfg["data"]["max_response_length"], rollout_cfg["ignore_eos"]

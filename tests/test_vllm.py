@@ -57,9 +57,9 @@ def same_rollout(a, b) -> bool:
 
 
 @needs_vllm
-def test_vllm_generates_the_hf_engines_greedy_tokens_after_a_training_step(trainer):
-    """The weights pushed in memory are the trained ones: before and after a step (which changes the
-    policy's greedy answers), vLLM's greedy tokens equal the hf engine's. Every rollout also checks
+def test_vllm_generates_the_hf_engines_greedy_tokens_after_an_update(trainer):
+    """The weights pushed in memory are the trained ones: before and after an actor update (which
+    changes the policy's greedy answers), vLLM's greedy tokens equal the hf engine's. Every rollout also checks
     that vLLM expanded each image to the processor's token count (else it raises)."""
     prompts, keys = image_prompts(trainer, 4, 1), torch.arange(4)
     greedy = SamplingParams(temperature=0, top_p=1.0, max_tokens=32)
@@ -69,10 +69,15 @@ def test_vllm_generates_the_hf_engines_greedy_tokens_after_a_training_step(train
 
     before_hf, before = hf(), trainer.engine.generate(prompts, keys, greedy, len(prompts))
     assert same_rollout(before, before_hf)
-    record = trainer.step(1)
-    assert record["actor/nonfinite_skipped"] == 0
+    # One actor update (the trainer's own) pushing the sampled responses down, so it moves the weights
+    # away from what the policy says whatever the rewards (the demo's groups often score alike: zero advantages).
+    group = image_prompts(trainer, 2, 4)
+    sampled = trainer.engine.generate(group, torch.arange(8), SamplingParams(1.0, 1.0, 24), len(group))
+    old = trainer._logprobs(trainer.policy, group, sampled.responses, sampled.response_mask, 8)
+    update = trainer.update_actor(1, group, sampled, old, None, torch.full((8,), -1.0))
+    assert update["actor/nonfinite_skipped"] == 0
     after_hf = hf()
-    assert not torch.equal(after_hf.responses, before_hf.responses)  # the step changed the policy's answers
+    assert not torch.equal(after_hf.responses, before_hf.responses)  # the update changed the policy's answers
     after = trainer.engine.generate(prompts, keys, greedy, len(prompts))
     assert same_rollout(after, after_hf)
     mask = after.response_mask.bool()

@@ -57,10 +57,6 @@ def same_rollout(a, b) -> bool:
 
 
 @needs_vllm
-@pytest.mark.xfail(strict=True, reason=(
-    "open: after the update vLLM's greedy tokens differ from hf's (before it they agree). After the push every "
-    "parameter vLLM keeps as a tensor (embeddings, norms, biases) equals the policy's; the linear layers the CPU "
-    "backend repacked for oneDNN (weights emptied) cannot be compared and are the likely stale ones"))
 def test_vllm_generates_the_hf_engines_greedy_tokens_after_an_update(trainer):
     """The weights pushed in memory are the trained ones: before and after an actor update (which
     changes the policy's greedy answers), vLLM's greedy tokens equal the hf engine's. Every rollout also checks

@@ -61,6 +61,23 @@ class BanTokens(LogitsProcessor):
         return logits.index_fill_(1, self.banned, float("-inf"))
 
 
+def _repack_kept_cpu_weights(worker) -> None:
+    """On the CPU, vLLM packs every linear product's weight for its kernels at load time. The reload
+    repacks the layers it loads, but a layer whose weight it does not load keeps its old pack: the
+    LM head tied to the input embeddings (its weight is the embeddings' tensor, updated in place,
+    yet its product kept the pack from the first load). Layers that keep their weight beside the
+    pack (remove_weight=False: embeddings, LM heads) are packed again from it here."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in worker.model_runner.get_model().modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.numel():
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
 def _collapse_image_runs(ids: list[int], image_token: int) -> list[int]:
     """Prompt ids with each run of image placeholder tokens reduced to one (vLLM expands each image itself)."""
     return [t for i, t in enumerate(ids) if t != image_token or i == 0 or ids[i - 1] != image_token]
@@ -131,6 +148,7 @@ class VLLMEngine:
             weights.append((name, t if in_process else t.cpu()))  # to spawned workers through shared memory
         # The worker's in-place reload: load_weights, then the kernel-format processing the first load did.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.collective_rpc(_repack_kept_cpu_weights)
         self.llm.reset_prefix_cache()
         self.llm.llm_engine.reset_encoder_cache()
         if self.asleep:

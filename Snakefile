@@ -7,15 +7,28 @@ filter data -> baseline evaluation (step 0) -> training segments of save_freq st
 from the checkpoint store -> validation of each checkpoint -> report.
 """
 
+import os
+
 from snakemake.utils import min_version
 
 min_version("8.20")
 
+# For envs/vlgrpo.post-deploy.sh, which installs this checkout into the rules' conda environment.
+os.environ["VLGRPO_SOURCE"] = workflow.basedir
 
-configfile: f"{workflow.basedir}/config.yaml"  # the embedded default, whatever the working directory
+
+envvars:
+    "VLGRPO_SOURCE",
 
 
-include: "workflow/rules/common.smk"  # validates the config against the schema, writes the resolved one
+# The embedded demo applies only when no --configfile is given: a recipe stands on the schema's
+# defaults alone, never on the demo's values.
+if not workflow.overwrite_configfiles:
+
+    configfile: f"{workflow.basedir}/config.yaml"
+
+
+include: "workflow/rules/common.smk"  # validates the config against the schema
 include: "workflow/rules/demo.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/train.smk"

@@ -17,7 +17,7 @@ torch.set_num_threads(2)
 @pytest.fixture(scope="session")
 def demo_base(tmp_path_factory):
     """The demo's data and model, built once per session at test size; an experiment with filtered splits."""
-    from vlgrpo.data import filter_split
+    from vlgrpo.data.filtering import filter_split
     from vlgrpo.demo import make_dataset, make_model
 
     root = tmp_path_factory.mktemp("demo")

@@ -18,7 +18,7 @@ def test_cpu_benchmark_writes_the_table_json(demo_base, tmp_path, capsys):
     path.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "bench.json"
 
-    result = bench.main(["--config", str(path), "--out", str(out), "--warmup", "1", "--steps", "2"])
+    result = bench.main(["--config", str(path), "--plain", str(ROOT / "configs" / "plain.yaml"), "--out", str(out), "--warmup", "1", "--steps", "2"])
 
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(result))

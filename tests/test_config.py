@@ -5,7 +5,6 @@ import pytest
 import yaml
 
 from vlgrpo import config
-from vlgrpo.cli import parse_assignment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,19 +23,28 @@ def test_embedded_default_validates_and_fills_defaults():
     assert cfg["trainer"]["val_before_train"] is True
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl_3b_geo3k.yaml", "easyr1_geo3k_default.yaml"])
-def test_recipes_set_every_key_of_the_default(name):
-    """Snakemake merges --configfile over config.yaml: a recipe must set every key the default sets
-    (but the demo block), or a demo value would leak into it."""
-    default = yaml.safe_load((ROOT / "config.yaml").read_text())
-    recipe = yaml.safe_load((ROOT / "configs" / name).read_text())
-    missing = {k for k in flat(default) if not k.startswith("demo.")} - set(flat(recipe))
-    assert not missing
-    config.load(ROOT / "config.yaml", ROOT / "configs" / name)
+MINIMAL = {"experiment": "mine", "model": {"path": "/m"}, "data": {"train": "/t.parquet", "val": "/v.parquet"}}
+
+
+def test_a_minimal_recipe_takes_the_schema_defaults():
+    """Every group has a default, so a recipe needs only its name, model and data."""
+    cfg = flat(config.validate(MINIMAL))
+    schema = config.load_schema()
+    for key, value in cfg.items():
+        node = schema
+        for part in key.split("."):
+            node = node["properties"][part]
+        assert value == node.get("default", value), key
+    assert cfg["worker.actor.optim.lr"] == 1e-6 and cfg["trainer.device"] == "auto" and cfg["worker.rollout.n"] == 4
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl_3b_geo3k.yaml", "easyr1_geo3k_default.yaml", "bench_h200.yaml", "bench_cpu.yaml"])
+def test_configs_stand_on_their_own(name):
+    config.load(ROOT / "configs" / name)
 
 
 def test_seed_recipe_values():
-    cfg = config.load(ROOT / "config.yaml", ROOT / "configs" / "qwen2_5_vl_3b_geo3k.yaml")
+    cfg = config.load(ROOT / "configs" / "qwen2_5_vl_3b_geo3k.yaml")
     actor, rollout = cfg["worker"]["actor"], cfg["worker"]["rollout"]
     assert (rollout["batch_size"], rollout["n"], actor["global_batch_size"]) == (32, 4, 16)
     assert (cfg["data"]["max_response_length"], cfg["data"]["max_pixels"], cfg["data"]["min_pixels"]) == (512, 524288, 262144)
@@ -46,26 +54,65 @@ def test_seed_recipe_values():
     assert rollout["val_override_config"] == {"temperature": 0.6, "top_p": 0.95, "n": 1}
 
 
-def test_speed_overlay_is_the_benchmarked_switches_and_leaves_the_recipe_alone():
-    speed = flat(yaml.safe_load((ROOT / "configs" / "speed_h200.yaml").read_text()))
-    bench = flat(config.load(ROOT / "configs" / "bench_h200.yaml"))
-    assert {k: bench[k] for k in speed} == speed  # what the H200 benchmark measured
-    recipe = [ROOT / "config.yaml", ROOT / "configs" / "qwen2_5_vl_3b_geo3k.yaml"]
-    plain, fast = flat(config.load(*recipe)), flat(config.load(*recipe, ROOT / "configs" / "speed_h200.yaml"))
-    assert {k for k in plain if plain[k] != fast[k]} <= set(speed)
-    assert fast["worker.rollout.engine"] == "static" and fast["worker.actor.optim.lr"] == 1e-6
+AUTO = {  # what each fast path is on CUDA
+    "model.packed_vision_attention": True, "model.fused_rms_norm": True, "model.aligned_vision_mlp": True,
+    "model.cudnn_attention": False, "worker.actor.dynamic_batching": True, "worker.actor.prefix_sharing": True,
+    "worker.actor.logprobs_chunk_size": 4096, "worker.actor.old_logprobs_from_update": True,
+    "worker.rollout.engine": "static",
+}
+
+
+def test_fast_paths_are_on_for_cuda_only_and_the_seed_recipe_runs_as_benchmarked():
+    recipe = config.load(ROOT / "configs" / "qwen2_5_vl_3b_geo3k.yaml")
+    assert {k for k, v in flat(recipe).items() if v == "auto"} == set(AUTO)
+    cuda, cpu = flat(config.for_device(recipe, "cuda")), flat(config.for_device(recipe, "cpu"))
+    assert {k: cuda[k] for k in AUTO} == AUTO
+    plain = flat(config.load(ROOT / "configs" / "plain.yaml", overrides=MINIMAL))
+    assert {k: cpu[k] for k in AUTO} == {k: plain[k] for k in AUTO}  # off a GPU: the plain path
+    bench = flat(config.for_device(config.load(ROOT / "configs" / "bench_h200.yaml"), "cuda"))
+    timed = [k for k in bench if k != "model.path" and k.startswith(("model.", "worker.actor.micro", "worker.actor.dynamic", "worker.actor.prefix",
+                                                "worker.actor.logprobs", "worker.actor.old", "worker.rollout.engine",
+                                                "worker.rollout.cuda_graph"))]
+    assert {k: cuda[k] for k in timed} == {k: bench[k] for k in timed}  # what the H200 benchmark measured
+    # prefix sharing needs the activations gradient checkpointing drops: auto leaves it off then
+    checkpointed = config.validate(config.deep_merge(MINIMAL, {"model": {"gradient_checkpointing": True}}))
+    assert config.for_device(checkpointed, "cuda")["worker"]["actor"]["prefix_sharing"] is False
+    # the plain overlay turns every fast path off, also on CUDA
+    both = flat(config.for_device(config.load(ROOT / "configs" / "qwen2_5_vl_3b_geo3k.yaml", ROOT / "configs" / "plain.yaml"), "cuda"))
+    assert {k: both[k] for k in AUTO} == {k: plain[k] for k in AUTO}
+
+
+def test_an_auto_switch_at_its_plain_value_hashes_as_auto():
+    """Runs from before the switches became `auto` (off by default) resume on a CPU: same hash."""
+    cfg = config.validate(MINIMAL)
+    assert config.config_hash(config.for_device(cfg, "cpu")) == config.config_hash(cfg)
+    assert config.config_hash(config.for_device(cfg, "cuda")) != config.config_hash(cfg)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"trainer": {"n_gpus_per_node": 4}}, "'trainer.n_gpus_per_node' 4"),
+        ({"trainer": {"nnodes": 2}}, "'trainer.nnodes' 2"),
+    ],
+)
+def test_keys_not_implemented_yet_are_refused_by_name(override, message):
+    with pytest.raises(config.ConfigError) as e:
+        config.validate(config.deep_merge(MINIMAL, override))
+    assert message in str(e.value)
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
         ({"data": {"max_pixel": 5}}, "allowed keys: answer_key"),
-        ({"worker": {"rollout": {"engine": "sglang"}}}, "'worker.rollout.engine' is 'sglang'; allowed values: 'hf'"),
+        ({"worker": {"rollout": {"engine": "sglang"}}}, "'worker.rollout.engine' is 'sglang'; allowed values: 'auto', 'hf'"),
+        ({"model": {"fused_rms_norm": "maybe"}}, "'model.fused_rms_norm' is 'maybe'; allowed values: 'auto', True, False"),
         ({"worker": {"rollout": {"n": 1}}}, "'worker.rollout.n'"),
         ({"seed": "one"}, "'seed'"),
         ({"data": {"min_pixels": 600000}}, "'data.min_pixels' (600000) > 'data.max_pixels'"),
         ({"worker": {"rollout": {"batch_size": 10}}}, "multiple of 'worker.actor.global_batch_size'"),
-        ({"model": {"dtype": "bfloat16"}}, "adamw keeps float32 moments"),
+        ({"worker": {"actor": {"optim": {"lr_warmup_steps": 2, "lr_warmup_ratio": 0.1}}}}, "are both set; set one"),
     ],
 )
 def test_bad_values_fail_naming_the_key(override, message):
@@ -85,15 +132,19 @@ def test_snakemake_command_line_strings_are_read_as_yaml():
     assert cfg["trainer"]["max_steps"] == 400 and cfg["trainer"]["val_before_train"] is False
     assert cfg["trainer"]["save_freq"] == config.load(ROOT / "config.yaml")["trainer"]["save_freq"]
     assert config.load(ROOT / "config.yaml", overrides={"experiment": "123"})["experiment"] == "123"
+    switches = config.load(ROOT / "config.yaml", overrides={"model": {"fused_rms_norm": "false"}, "worker": {"actor": {
+        "logprobs_chunk_size": "64", "prefix_sharing": "auto"}}})
+    assert switches["model"]["fused_rms_norm"] is False and switches["worker"]["actor"]["logprobs_chunk_size"] == 64
+    assert switches["worker"]["actor"]["prefix_sharing"] == "auto"
     with pytest.raises(config.ConfigError, match="'trainer.max_steps'"):
         config.load(ROOT / "config.yaml", overrides={"trainer": {"max_steps": "many"}})
 
 
 def test_command_line_assignments():
-    assert parse_assignment("worker.rollout.n=8") == {"worker": {"rollout": {"n": 8}}}
-    assert parse_assignment("trainer.max_steps=null") == {"trainer": {"max_steps": None}}
+    assert config.parse_assignment("worker.rollout.n=8") == {"worker": {"rollout": {"n": 8}}}
+    assert config.parse_assignment("trainer.max_steps=null") == {"trainer": {"max_steps": None}}
     with pytest.raises(config.ConfigError, match="key=value"):
-        parse_assignment("seed")
+        config.parse_assignment("seed")
 
 
 def test_resolved_config_round_trip(tmp_path):

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import re
 import shutil
 from pathlib import Path
 
+import jinja2
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,24 +17,21 @@ import pytest
 import torch
 from PIL import Image
 from qwen_vl_utils import smart_resize as qwen_vl_utils_smart_resize
+from transformers import AutoProcessor
 
-from vlgrpo import data
 from vlgrpo.config import validate
-from vlgrpo.data import (
-    DataError,
+from vlgrpo.data import sources
+from vlgrpo.data.filtering import filter_split, load_filtered
+from vlgrpo.data.images import (
     ResizeMismatchError,
-    check_model_folder,
-    count_prompt_tokens,
-    encode_prompts,
-    filter_split,
-    format_prompt,
-    load_filtered,
-    load_processor,
-    load_split,
-    render_prompt,
+    decode_images,
+    model_image_size,
+    processor_pixel_bounds,
     resize_image,
-    resized_size,
 )
+from vlgrpo.data.prompts import TEMPLATE_DIR, count_prompt_tokens, encode_prompts, format_prompt, render_prompt
+from vlgrpo.data.sources import check_model_folder, load_processor, load_split
+from vlgrpo.errors import DataError
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 GEO3K = SHARED / "geometry3k"
@@ -39,6 +39,8 @@ QWEN = SHARED / "qwen2_5_vl_3b"
 
 # The seed recipe's values.
 MIN_PIXELS, MAX_PIXELS, MAX_PROMPT_LENGTH, BATCH = 262144, 524288, 2048, 32
+# The processor's own pixel bounds (preprocessor_config.json), the ones its snap to 28 uses.
+QWEN_PIXELS = (3136, 12845056)
 IMAGE_PAD, VISION_START, VISION_END, IM_START, PAD = 151655, 151652, 151653, 151644, 151643
 
 R1V = (
@@ -58,7 +60,7 @@ needs_shared = pytest.mark.skipif(not (GEO3K.is_dir() and QWEN.is_dir()), reason
 def processor():
     if not QWEN.is_dir():
         pytest.skip("shared/data/qwen2_5_vl_3b is absent")
-    return load_processor(str(QWEN), MIN_PIXELS, MAX_PIXELS)
+    return load_processor(str(QWEN))
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +75,15 @@ def saved_model(processor, tmp_path_factory) -> Path:
     """The processor saved in the layout transformers 5 writes, next to the real config.json."""
     folder = tmp_path_factory.mktemp("saved_model")
     processor.save_pretrained(folder)
+    shutil.copy(QWEN / "config.json", folder / "config.json")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def narrow_model(tmp_path_factory) -> Path:
+    """The processor saved with narrower pixel bounds than the images of the filtered split."""
+    folder = tmp_path_factory.mktemp("narrow_model")
+    AutoProcessor.from_pretrained(QWEN, min_pixels=12544, max_pixels=50176).save_pretrained(folder)
     shutil.copy(QWEN / "config.json", folder / "config.json")
     return folder
 
@@ -115,6 +126,9 @@ def png(size=(64, 48), mode="RGB", color=(200, 30, 30)) -> bytes:
     return buffer.getvalue()
 
 
+GOOD_ROW = {"images": [{"bytes": png(), "path": None}], "problem": "<image>Find x.", "answer": "3"}
+
+
 def write_rows(path: Path, rows: list[dict]) -> Path:
     schema = pa.schema(
         [
@@ -145,6 +159,21 @@ def test_builtin_templates_render_easyr1_text():
     )
 
 
+# EasyR1's examples/format_prompt/r1v.jinja, as its file reads (trailing newline included).
+EASYR1_R1V_JINJA = "{{ content | trim }}" + R1V + "\n"
+
+
+@needs_shared
+def test_r1v_prompts_equal_easyr1s_rendering_on_every_test_problem():
+    # EasyR1 reads the file, strips it, and renders it as a jinja2.Template with content=problem.
+    easyr1 = jinja2.Template(EASYR1_R1V_JINJA.strip())
+    assert (TEMPLATE_DIR / "r1v.jinja").read_text(encoding="utf-8") == EASYR1_R1V_JINJA
+    problems = pq.read_table(GEO3K / "test.parquet", columns=["problem"]).column("problem").to_pylist()
+    assert len(problems) == 601
+    for problem in problems:
+        assert format_prompt(problem, "r1v") == easyr1.render(content=problem)
+
+
 def test_user_template_file_and_template_errors(tmp_path):
     user = tmp_path / "ask.jinja"
     user.write_text("Q: {{ content }}\n")
@@ -165,7 +194,7 @@ def test_user_template_file_and_template_errors(tmp_path):
 def test_rendered_prompt_ids_equal_hand_written_chat(processor, train_table):
     problem = train_table.column("problem")[0].as_py()
     assert problem == "<image>$\\triangle RST \\cong \\triangle XYZ$. Find $y$."
-    image = resize_image(source_image(train_table, 0), MIN_PIXELS, MAX_PIXELS)
+    image = resize_image(source_image(train_table, 0), MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS)
     assert image.size == (868, 448)  # 864x434 snapped to multiples of 28
     n_image_tokens = (448 // 28) * (868 // 28)
 
@@ -194,34 +223,73 @@ def test_rendered_prompt_ids_equal_hand_written_chat(processor, train_table):
 # Images
 
 
-def test_resized_size_is_easyr1_prescale_then_smart_resize():
-    assert resized_size(864, 434, MIN_PIXELS, MAX_PIXELS) == (868, 448)  # inside: snap only
-    assert resized_size(161, 142, MIN_PIXELS, MAX_PIXELS) == (560, 504)  # 545x480 up, then ceil to 28
-    assert resized_size(1604, 440, MIN_PIXELS, MAX_PIXELS) == (1372, 364)  # 1382x379 down, then floor
+def easyr1_image_tokens(width: int, height: int) -> int:
+    """Image tokens EasyR1 gives an image, from its rule written out: process_image scales into
+    [MIN_PIXELS, MAX_PIXELS] (down, then up; int sides), then the processor, loaded with its own
+    bounds, rounds each side to the nearest multiple of 28 (they never bind on Geometry3K)."""
+    if width * height > MAX_PIXELS:
+        scale = math.sqrt(MAX_PIXELS / (width * height))
+        width, height = int(width * scale), int(height * scale)
+    if width * height < MIN_PIXELS:
+        scale = math.sqrt(MIN_PIXELS / (width * height))
+        width, height = int(width * scale), int(height * scale)
+    rows, columns = round(height / 28), round(width / 28)
+    assert QWEN_PIXELS[0] <= rows * columns * 28 * 28 <= QWEN_PIXELS[1]
+    return rows * columns
+
+
+def test_model_image_size_is_easyr1_prescale_then_the_processors_snap():
+    assert model_image_size(864, 434, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS) == (868, 448)  # inside: snap only
+    # 545x480 after scaling up, just under min_pixels: rounded to 532x476 (253,232 px), not up to 560x504.
+    assert model_image_size(161, 142, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS) == (532, 476)
+    # 1382x379 after scaling down: rounded to 1372x392 (537,824 px, over max_pixels), not down to 1372x364.
+    assert model_image_size(1604, 440, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS) == (1372, 392)
     for width, height in [(161, 142), (378, 250), (864, 434), (1604, 440), (666, 803), (31, 2000)]:
-        w, h = resized_size(width, height, MIN_PIXELS, MAX_PIXELS)
-        assert w % 28 == h % 28 == 0 and MIN_PIXELS <= w * h <= MAX_PIXELS
+        w, h = model_image_size(width, height, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS)
+        assert w % 28 == h % 28 == 0 and (w // 28) * (h // 28) == easyr1_image_tokens(width, height)
         # The processor's own smart_resize (and qwen-vl-utils') leave the result unchanged.
-        assert qwen_vl_utils_smart_resize(h, w, 28, MIN_PIXELS, MAX_PIXELS) == (h, w)
+        assert qwen_vl_utils_smart_resize(h, w, 28, *QWEN_PIXELS) == (h, w)
+    # The demo: 112-pixel images, min = max = 12544, a processor with those bounds.
+    assert model_image_size(112, 112, 12544, 12544, (12544, 12544)) == (112, 112)
     with pytest.raises(ValueError, match="aspect ratio"):
-        resized_size(1, 300, MIN_PIXELS, MAX_PIXELS)
-    with pytest.raises(ValueError, match="stable"):  # min == max leaves no 28-multiple size for 3:4
-        resized_size(300, 400, 12544, 12544)
+        model_image_size(1, 300, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS)
+    with pytest.raises(ValueError, match="would snap again"):  # min == max leaves no 28-multiple size for 3:4
+        model_image_size(300, 400, 12544, 12544, (12544, 12544))
+
+
+@needs_shared
+@pytest.mark.parametrize(("split", "rows", "mean_tokens"), [("train", 2101, 344.1), ("validation", 300, 340.6), ("test", 601, 344.8)])
+def test_image_tokens_per_image_equal_easyr1s_on_geometry3k(processor, split, rows, mean_tokens):
+    """Every Geometry3K image gets EasyR1's token count through vlgrpo's sizing and the processor's
+    own patch arithmetic (sizes read from the image headers; no pixels decoded)."""
+    images = pq.read_table(GEO3K / f"{split}.parquet", columns=["images"]).column("images").to_pylist()
+    assert len(images) == rows and all(len(row) == 1 for row in images)
+    sizes = [Image.open(io.BytesIO(row[0]["bytes"])).size for row in images]
+    pixels = processor_pixel_bounds(processor)
+    assert pixels == QWEN_PIXELS
+    ours, easyr1 = [], []
+    for width, height in sizes:
+        w, h = model_image_size(width, height, MIN_PIXELS, MAX_PIXELS, pixels)
+        ours.append(processor.image_processor.get_number_of_image_patches(h, w, {}) // 4)
+        easyr1.append(easyr1_image_tokens(width, height))
+    assert ours == easyr1
+    assert round(float(np.mean(ours)), 1) == mean_tokens
 
 
 def test_resize_image_resizes_then_converts_like_easyr1():
-    size = resized_size(100, 80, 784, 784 * 16)
+    size = model_image_size(100, 80, 784, 784 * 16, QWEN_PIXELS)
+    assert size == (112, 84)
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (80, 100, 4), dtype=np.uint8)
     for alpha in (None, 255):  # translucent, then opaque (the fast path must give the same pixels)
         if alpha is not None:
             pixels[..., 3] = alpha
         rgba = Image.fromarray(pixels, "RGBA")
-        out = resize_image(rgba, 784, 784 * 16)
+        out = resize_image(rgba, 784, 784 * 16, QWEN_PIXELS)
         assert out.mode == "RGB" and out.size == size
         assert np.array_equal(np.asarray(out), np.asarray(rgba.resize(size).convert("RGB")))
     palette = Image.new("P", (100, 80), 3)
-    assert resize_image(palette, 784, 784 * 16).mode == "RGB"
+    assert resize_image(palette, 784, 784 * 16, QWEN_PIXELS).mode == "RGB"
 
 
 @needs_shared
@@ -229,9 +297,10 @@ def test_resize_image_resizes_then_converts_like_easyr1():
 def test_image_tokens_equal_resized_area_over_28_squared(processor, train_table, row):
     source = source_image(train_table, row)
     assert source.size == SIZED_ROWS[row]
-    image = resize_image(source, MIN_PIXELS, MAX_PIXELS)
+    image = resize_image(source, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS)
     w, h = image.size
-    assert image.mode == "RGB" and w % 28 == 0 and h % 28 == 0 and MIN_PIXELS <= w * h <= MAX_PIXELS
+    assert image.mode == "RGB" and w % 28 == 0 and h % 28 == 0
+    assert (w // 28) * (h // 28) == easyr1_image_tokens(*source.size)
     prompt = render_prompt(processor, train_table.column("problem")[row].as_py(), "r1v")
     inputs = processor(images=[image], text=[prompt], return_tensors="pt")
     assert int((inputs["input_ids"] == IMAGE_PAD).sum()) == (h // 28) * (w // 28)
@@ -274,7 +343,7 @@ def test_load_split_hub_id_goes_to_datasets(monkeypatch):
         calls.append((name, split))
         raise ConnectionError("offline")
 
-    monkeypatch.setattr(data.datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(sources.datasets, "load_dataset", fake_load_dataset)
     with pytest.raises(DataError, match="cannot load data 'hiyouga/geometry3k@test\\[:10\\]'.*offline"):
         load_split("hiyouga/geometry3k@test[:10]", "images", "problem", "answer")
     assert calls == [("hiyouga/geometry3k", "test[:10]")]
@@ -282,27 +351,43 @@ def test_load_split_hub_id_goes_to_datasets(monkeypatch):
 
 def test_model_path_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="model path not found"):
-        load_processor(str(tmp_path / "no_model"), MIN_PIXELS, MAX_PIXELS)
+        load_processor(str(tmp_path / "no_model"))
     (tmp_path / "README.md").write_text("not a model")
     with pytest.raises(DataError, match="not a Qwen2.5-VL model folder; missing config.json; an image processor"):
-        load_processor(str(tmp_path), MIN_PIXELS, MAX_PIXELS)
+        load_processor(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(DataError, match="model_type 'llama', expected 'qwen2_5_vl'"):
         check_model_folder(tmp_path)
 
 
 @needs_shared
-def test_processor_bounds_padding_and_saved_layout(processor, saved_model):
-    assert (processor.image_processor.size.shortest_edge, processor.image_processor.size.longest_edge) == (
-        MIN_PIXELS,
-        MAX_PIXELS,
-    )
+def test_processor_keeps_its_own_bounds_pads_left_and_loads_the_saved_layout(processor, saved_model, narrow_model):
+    # EasyR1 loads the processor without pixel bounds: preprocessor_config.json's hold.
+    assert processor_pixel_bounds(processor) == QWEN_PIXELS
     assert processor.tokenizer.padding_side == "left"
     # The layout transformers 5 saves (processor_config.json, tokenizer.json, chat_template.jinja)
-    # is a model folder too, and bounds given at load time win over the saved ones.
+    # is a model folder too, with the bounds it was saved with.
     check_model_folder(saved_model)
-    other = load_processor(str(saved_model), 12544, 12544)
-    assert (other.image_processor.size.shortest_edge, other.image_processor.size.longest_edge) == (12544, 12544)
+    assert processor_pixel_bounds(load_processor(str(saved_model))) == QWEN_PIXELS
+    assert processor_pixel_bounds(load_processor(str(narrow_model))) == (12544, 50176)
+
+
+@needs_shared
+def test_a_processor_folder_that_cannot_load_says_why_and_the_filter_writes_nothing(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    for file in QWEN.iterdir():
+        (model / file.name).symlink_to(file)
+    (model / "preprocessor_config.json").unlink()
+    (model / "preprocessor_config.json").write_text('{"min_pixels": 3136,')  # cut short
+    with pytest.raises(DataError, match=f"(?s)cannot load the processor from {model}: OSError: .*Traceback") as error:
+        load_processor(str(model))
+    assert "preprocessor_config.json" in str(error.value)
+    cfg = seed_cfg(str(GEO3K / "test.parquet"))
+    cfg["model"]["path"] = str(model)
+    with pytest.raises(DataError, match="cannot load the processor"):
+        filter_split(cfg, "val", tmp_path / "out" / "v.parquet", tmp_path / "out" / "v.json")
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,7 +401,7 @@ def test_filter_split_writes_rendered_rows_and_stats(filtered, processor, train_
     assert stats["rows_in"] == stats["rows_kept"] == 33 and sum(stats["dropped"].values()) == 0
     assert stats["steps_per_epoch"] == 33 // BATCH == 1
     out = pq.read_table(filtered["parquet"])
-    assert out.column_names == ["index", "images", "problem", "answer", "prompt", "prompt_length"]
+    assert out.column_names == ["index", "images", "problem", "answer", "prompt", "prompt_length", "image_tokens"]
     assert out.schema.field("images").type == train_table.schema.field("images").type
     assert not list(filtered["parquet"].parent.glob("*.tmp"))
     lengths = out.column("prompt_length").to_pylist()
@@ -327,6 +412,8 @@ def test_filter_split_writes_rendered_rows_and_stats(filtered, processor, train_
         "p95": pytest.approx(np.percentile(lengths, 95)),
         "max": max(lengths),
     }
+    tokens = out.column("image_tokens").to_pylist()
+    assert stats["image_tokens"]["mean"] == pytest.approx(np.mean(tokens))
 
     # Every stored row is what training will see: same prompt, image, answer and token count.
     for row in load_filtered(filtered["parquet"])[:4]:
@@ -336,8 +423,9 @@ def test_filter_split_writes_rendered_rows_and_stats(filtered, processor, train_
         assert row["prompt"] == render_prompt(processor, row["problem"], "r1v")
         (image,) = row["images"]
         assert image.mode == "RGB"
-        expected = resize_image(source_image(train_table, i), MIN_PIXELS, MAX_PIXELS)
+        expected = resize_image(source_image(train_table, i), MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS)
         assert np.array_equal(np.asarray(image), np.asarray(expected))
+        assert tokens[i] == easyr1_image_tokens(*source_image(train_table, i).size)
         assert len(processor(images=[image], text=[row["prompt"]])["input_ids"][0]) == lengths[i]
 
 
@@ -362,7 +450,7 @@ def test_low_max_prompt_length_drops_rows_and_stats_say_so(filtered, tmp_path):
 
 @needs_shared
 def test_each_bad_row_kind_is_dropped_with_its_reason(tmp_path):
-    good = {"images": [{"bytes": png(), "path": None}], "problem": "<image>Find x.", "answer": "3"}
+    good = GOOD_ROW
     bad = {
         1: ("image_missing", {**good, "images": []}),
         2: ("image_missing", {**good, "images": None}),
@@ -380,7 +468,7 @@ def test_each_bad_row_kind_is_dropped_with_its_reason(tmp_path):
     }
     rows = [good] + [row for _, row in bad.values()] + [{**good, "problem": "<image> What is y?"}]
     source = write_rows(tmp_path / "bad.parquet", rows)
-    stats = filter_split(seed_cfg(str(source)), "train", tmp_path / "t.parquet", tmp_path / "t.json", workers=1)
+    stats = filter_split(seed_cfg(str(source)), "val", tmp_path / "t.parquet", tmp_path / "t.json", workers=1)
 
     expected: dict[str, list[int]] = {}
     for index, (reason, _) in bad.items():
@@ -392,11 +480,37 @@ def test_each_bad_row_kind_is_dropped_with_its_reason(tmp_path):
 
 
 @needs_shared
-def test_zero_usable_rows_is_an_error_and_writes_nothing(tmp_path):
-    source = write_rows(tmp_path / "bad.parquet", [{"images": [], "problem": "<image>x", "answer": "1"}] * 3)
-    with pytest.raises(DataError, match="no usable rows .*3 rows; dropped: \\{'image_missing': 3\\}"):
-        filter_split(seed_cfg(str(source)), "train", tmp_path / "t.parquet", tmp_path / "t.json", workers=1)
+def test_every_row_failing_stops_with_the_first_exception_and_writes_nothing(tmp_path):
+    rows = [{**GOOD_ROW, "problem": "<image>Is <|image_pad|> a token?"}] * 3 + [{**GOOD_ROW, "images": []}]
+    source = write_rows(tmp_path / "bad.parquet", rows)
+    with pytest.raises(DataError) as error:
+        filter_split(seed_cfg(str(source)), "val", tmp_path / "out" / "v.parquet", tmp_path / "out" / "v.json", workers=1)
+    message = str(error.value)
+    assert message.startswith(f"'{source}' (val): 0 of 4 rows kept, fewer than 1 row; ")
+    assert "top drop reasons: processor_error 3 (rows [0, 1, 2]), image_missing 1 (rows [3])" in message
+    first = message.index("the first exception, row 0 (processor_error):\nTraceback (most recent call last):")
+    assert message.rstrip().endswith("ValueError: 2 image placeholders in the prompt for 1 images")
+    assert "count_prompt_tokens" in message[first:]  # the frames that raised
+    assert not (tmp_path / "out").exists()
+
+
+@needs_shared
+def test_a_split_smaller_than_its_batch_is_an_error_naming_the_numbers(tmp_path):
+    source = write_rows(tmp_path / "few.parquet", [GOOD_ROW] * 3 + [{**GOOD_ROW, "answer": ""}])
+    cfg = seed_cfg(str(source))
+    cfg["worker"]["rollout"]["batch_size"] = 4
+    message = (
+        f"'{source}' (train): 3 of 4 rows kept, fewer than one rollout batch of 4 (worker.rollout.batch_size); "
+        "top drop reasons: answer_empty 1 (rows [3])"
+    )
+    with pytest.raises(DataError, match=re.escape(message) + "$"):
+        filter_split(cfg, "train", tmp_path / "t.parquet", tmp_path / "t.json", workers=1)
     assert not list(tmp_path.glob("t.*"))
+    # Three rows are a batch of 3, and validation needs one row.
+    cfg["worker"]["rollout"]["batch_size"] = 3
+    assert filter_split(cfg, "train", tmp_path / "t.parquet", tmp_path / "t.json", workers=1)["steps_per_epoch"] == 1
+    cfg["worker"]["rollout"]["batch_size"] = 4
+    assert filter_split(cfg, "val", tmp_path / "v.parquet", tmp_path / "v.json", workers=1)["rows_kept"] == 3
 
 
 @needs_shared
@@ -456,15 +570,15 @@ def test_encode_prompts_on_a_device_moves_only_the_pixel_values(filtered, proces
 def test_decode_images_decodes_lazy_images_in_place(filtered):
     images = [im for row in load_filtered(filtered["parquet"])[:5] for im in row["images"]]
     assert all(im.tile for im in images)  # opened, not decoded
-    data.decode_images(images)
+    decode_images(images)
     assert not any(im.tile for im in images)
     again = [im for row in load_filtered(filtered["parquet"])[:5] for im in row["images"]]
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(images, again))
 
 
 @needs_shared
-def test_encode_prompts_refuses_a_processor_that_would_resize(filtered, saved_model, tmp_path):
-    smaller = load_processor(str(saved_model), 12544, 50176)
+def test_encode_prompts_refuses_a_processor_that_would_resize(filtered, narrow_model, tmp_path):
+    smaller = load_processor(str(narrow_model))
     rows = load_filtered(filtered["parquet"])[:1]
     with pytest.raises(ResizeMismatchError, match="the processor resized images"):
         encode_prompts(smaller, rows)

@@ -19,7 +19,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, Qwen2_5_VLF
 
 from vlgrpo import config
 from vlgrpo.batch import PromptBatch
-from vlgrpo.data import decode_image, encode_prompts, render_prompt, resize_image
+from vlgrpo.data.images import decode_image, processor_pixel_bounds, resize_image
+from vlgrpo.data.prompts import encode_prompts, render_prompt
 from vlgrpo.demo import make_dataset, make_model
 from vlgrpo.demo.model import full_attention_blocks, init_model, mrope_section, tiny_config
 from vlgrpo.demo.perception import region_targets, warm_up_vision
@@ -236,7 +237,8 @@ def test_perception_warmup_makes_the_image_tokens_carry_the_figure(tmp_path):
     demo, data = cfg["demo"], cfg["data"]
     processor = build_processor(build_tokenizer({}, []), data["min_pixels"], data["max_pixels"])
     rows = make_rows(cfg["seed"], "test", 128, demo["image_size"])
-    images = [resize_image(decode_image(r["images"][0]), data["min_pixels"], data["max_pixels"]) for r in rows]
+    pixels = processor_pixel_bounds(processor)
+    images = [resize_image(decode_image(r["images"][0]), data["min_pixels"], data["max_pixels"], pixels) for r in rows]
     counts = torch.tensor([int(r["answer"]) / 180 for r in rows], dtype=torch.float64)
     model = init_model(demo, processor.tokenizer, cfg["seed"])
     before = count_r2(model, processor, images, counts)
@@ -277,7 +279,7 @@ def test_model_folder_loads_like_qwen2_5_vl_and_generates_with_an_image(model_di
 
     rows = []
     for row in make_rows(cfg["seed"], "test", 2, cfg["demo"]["image_size"]):
-        image = resize_image(decode_image(row["images"][0]), data["min_pixels"], data["max_pixels"])
+        image = resize_image(decode_image(row["images"][0]), data["min_pixels"], data["max_pixels"], processor_pixel_bounds(processor))
         rows.append({"prompt": render_prompt(processor, row["problem"], data["format_prompt"]), "images": [image]})
     inputs = encode_prompts(processor, rows)
     image_tokens = (inputs["input_ids"] == model.config.image_token_id).sum(-1)
@@ -338,12 +340,13 @@ def test_default_warmup_teaches_format_at_t1_leaves_greedy_at_chance_and_grounds
     assert stats["warmup"]["loss_final"] < 0.25 * stats["warmup"]["loss_first"]
     processor = AutoProcessor.from_pretrained(tmp_path / "model", min_pixels=data["min_pixels"], max_pixels=data["max_pixels"])
     processor.tokenizer.padding_side = "left"
+    pixels = processor_pixel_bounds(processor)
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "model").eval()
     rows = pq.read_table(tmp_path / "data" / "test.parquet").to_pylist()
     encoded = [
         {
             "prompt": render_prompt(processor, row["problem"], data["format_prompt"]),
-            "images": [resize_image(decode_image(row["images"][0]), data["min_pixels"], data["max_pixels"])],
+            "images": [resize_image(decode_image(row["images"][0]), data["min_pixels"], data["max_pixels"], pixels)],
         }
         for row in rows
     ]

@@ -8,7 +8,7 @@ import torch
 
 from conftest import make_experiment
 from vlgrpo.batch import PromptBatch
-from vlgrpo.data import encode_prompts, render_prompt
+from vlgrpo.data.prompts import encode_prompts, render_prompt
 from vlgrpo.policy import (ForwardOptions, aligned_mlp, micro_batches, prefix_forward, prepare_model, prompt_runs,
                            response_logprobs, set_aligned_vision_mlp, set_fused_rms_norm, vision_index)
 from vlgrpo.rollout import SamplingParams, make_engine

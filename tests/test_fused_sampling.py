@@ -1,7 +1,7 @@
 """The Triton sampling kernel gives keyed_sample_torch's tokens (Triton's interpreter, on the CPU).
 
 TRITON_INTERPRET must be set before Triton compiles anything, so the comparisons run in a child
-process. On a GPU the same kernel runs compiled; benchmarks/sampler_h200.py compares it there.
+process. On a GPU the same kernel runs compiled; scripts/sampler_h200.py compares it there.
 """
 
 import json

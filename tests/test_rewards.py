@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from vlgrpo import rewards
-from vlgrpo.rewards import load_reward_function, math, r1v, score_responses
+from vlgrpo.rewards import (
+    Grading, RewardContractError, RewardFailure, load_reward_function, math, r1v, reward_from_config, score_responses,
+)
 
 GEOMETRY3K = Path(__file__).resolve().parents[2] / "shared" / "data" / "geometry3k"
 
@@ -113,8 +115,9 @@ def test_format_weight_is_applied_and_checked():
 
 
 def test_load_builtins_with_and_without_format_weight():
-    assert load_reward_function("r1v", None) is r1v
-    assert load_reward_function("math", None) is math
+    assert load_reward_function("r1v", None).fn is r1v
+    assert load_reward_function("math", None).fn is math
+    assert load_reward_function("math", None).form == "vlgrpo"
     fn = load_reward_function("r1v", 0.1)
     assert fn("<think>a</think><answer>3</answer>", "4")["overall"] == pytest.approx(0.1)
 
@@ -173,7 +176,7 @@ def test_score_responses_scores_a_raising_reward_0_and_counts_it(caplog):
     assert scores[1] == {"overall": 0.0, "format": 0.0, "accuracy": 0.0}
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1  # once per call, not once per failure
-    assert "2 of 4" in warnings[0].getMessage() and "grader exploded" in warnings[0].getMessage()
+    assert "2 of 4" in warnings[0].getMessage() and "RuntimeError: grader exploded" in warnings[0].getMessage()
 
 
 def test_score_responses_treats_a_broken_result_as_a_failure():
@@ -190,3 +193,149 @@ def test_score_responses_keeps_user_keys_and_checks_lengths(user_file):
     assert n_failed == 0 and [s["length"] for s in scores] == [2.0, 1.0]
     with pytest.raises(ValueError, match="2 responses but 1 ground truths"):
         score_responses(fn, ["42", "7"], ["42"])
+
+
+def test_a_math_grader_crash_keeps_the_format_score(monkeypatch):
+    def crash(given, ground_truth):
+        raise RecursionError("sympy gave up")
+
+    monkeypatch.setattr(rewards, "grade_answer", crash)
+    assert math("<think>a</think> \\boxed{3}", "3") == {"overall": pytest.approx(0.1), "format": 1.0, "accuracy": 0.0}
+
+
+# EasyR1's two forms (examples/reward_function/r1v.py is sequential, math.py batch), written for this test.
+SEQUENTIAL_FILE = '''
+import re
+REWARD_TYPE = "sequential"
+
+def compute_score(reward_input, format_weight=0.5):
+    if not isinstance(reward_input, dict):
+        raise ValueError("Please use reward_type=sequential")
+    fmt = 1.0 if re.fullmatch(r"<think>.*?</think>\\s*<answer>.*?</answer>", reward_input["response"], re.DOTALL) else 0.0
+    match = re.search(r"<answer>(.*?)</answer>", reward_input["response"])
+    acc = 1.0 if match and match.group(1).strip() == reward_input["ground_truth"].strip() else 0.0
+    return {"overall": (1 - format_weight) * acc + format_weight * fmt, "format": fmt, "accuracy": acc,
+            "length": float(reward_input["response_length"])}
+'''
+BATCH_FILE = '''
+REWARD_TYPE = "batch"
+
+def compute_score(reward_inputs, format_weight=0.1):
+    if not isinstance(reward_inputs, list):
+        raise ValueError("Please use reward_type=batch")
+    scores = []
+    for item in reward_inputs:
+        acc = 1.0 if item["ground_truth"] in item["response"] else 0.0
+        scores.append({"overall": (1 - format_weight) * acc + format_weight, "format": 1.0, "accuracy": acc,
+                       "batch_size": float(len(reward_inputs)), "length": float(item["response_length"])})
+    return scores
+'''
+# No REWARD_TYPE: the form is read from the signature.
+UNDECLARED_FILE = '''
+def seq(reward_input: dict, format_weight: float = 0.5) -> dict:
+    return {"overall": 1.0, "format": 1.0, "accuracy": 1.0}
+
+def bat(reward_inputs: list[dict]) -> list[dict]:
+    return [{"overall": 0.5, "format": 1.0, "accuracy": 0.0} for _ in reward_inputs]
+
+def pair(response, ground_truth):
+    return {"overall": 0.25, "format": 0.0, "accuracy": 0.5}
+
+def unclear(x, *, format_weight=0.5):
+    return {"overall": 1.0, "format": 1.0, "accuracy": 1.0}
+
+def wrong_keys(response, ground_truth):
+    return {"score": 1.0}
+'''
+
+
+@pytest.fixture
+def form_files(tmp_path) -> dict[str, Path]:
+    files = {"sequential": SEQUENTIAL_FILE, "batch": BATCH_FILE, "undeclared": UNDECLARED_FILE}
+    for name, text in files.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    return {name: tmp_path / f"{name}.py" for name in files}
+
+
+def test_easyr1_forms_are_called_as_declared(form_files):
+    responses = ["<think>a</think><answer>3</answer>", "<think>a</think> so <answer>4</answer>", "3"]
+    truths, lengths = ["3", "3", "3"], [11, 13, 1]
+
+    sequential = load_reward_function(f"{form_files['sequential']}:compute_score", None)
+    assert (sequential.form, sequential.chosen_by) == ("sequential", "REWARD_TYPE in its file")
+    scores, failed = Grading(sequential, responses, truths, workers=0, lengths=lengths).result()
+    assert failed == 0
+    assert [(s["overall"], s["format"], s["accuracy"], s["length"]) for s in scores] == [
+        (1.0, 1.0, 1.0, 11.0), (0.0, 0.0, 0.0, 13.0), (0.0, 0.0, 0.0, 1.0)]
+
+    batch = load_reward_function(f"{form_files['batch']}:compute_score", 0.5)
+    assert batch.form == "batch"
+    scores, failed = score_responses(batch, responses, truths, lengths)
+    assert failed == 0
+    assert [(s["overall"], s["accuracy"], s["batch_size"], s["length"]) for s in scores] == [
+        (1.0, 1.0, 3.0, 11.0), (0.5, 0.0, 3.0, 13.0), (1.0, 1.0, 3.0, 1.0)]  # one call for the whole batch
+    with pytest.raises(ValueError, match="needs response lengths"):
+        score_responses(batch, responses, truths)
+
+
+def test_the_form_is_read_from_the_config_or_the_signature(form_files):
+    path = form_files["undeclared"]
+    forms = {name: load_reward_function(f"{path}:{name}", None) for name in ("seq", "bat", "pair")}
+    assert {name: (f.form, f.chosen_by) for name, f in forms.items()} == {
+        "seq": ("sequential", "read from its signature"), "bat": ("batch", "read from its signature"),
+        "pair": ("vlgrpo", "read from its signature")}
+    assert forms["bat"]("x", "y", 1) == {"overall": 0.5, "format": 1.0, "accuracy": 0.0}
+    assert forms["pair"]("x", "y") == {"overall": 0.25, "format": 0.0, "accuracy": 0.5}
+    with pytest.raises(RewardContractError, match=r"cannot tell the form .*unclear.*REWARD_TYPE"):
+        load_reward_function(f"{path}:unclear", None)
+    configured = load_reward_function(f"{path}:unclear", 0.3, reward_type="sequential")
+    assert (configured.form, configured.chosen_by) == ("sequential", "worker.reward.reward_type")
+    assert configured("x", "y", 1)["overall"] == 1.0
+    with pytest.raises(RewardContractError, match="reward_type is 'batch' but .* declares REWARD_TYPE = 'sequential'"):
+        load_reward_function(f"{form_files['sequential']}:compute_score", None, reward_type="batch")
+    with pytest.raises(RewardContractError, match="built-in reward 'r1v' is of the 'vlgrpo' form"):
+        load_reward_function("r1v", None, reward_type="batch")
+
+
+def reward_cfg(spec: str, **overrides) -> dict:
+    return {"worker": {"reward": {"reward_function": spec, "format_weight": None, "reward_type": None,
+                                  "max_error_fraction": 1.0, **overrides}}}
+
+
+def test_a_function_that_breaks_the_contract_stops_before_the_run(form_files):
+    answers = ["3", "\\frac{1}{2}", "45"]
+    reward_from_config(reward_cfg(f"{form_files['sequential']}:compute_score"), answers)  # keeps it: no error
+    reward_from_config(reward_cfg(f"{form_files['batch']}:compute_score"), answers)
+    assert reward_from_config(reward_cfg("math"), answers).check(answers) is None
+    # An EasyR1 sequential function whose file declares the batch form, and one that returns other keys.
+    liar = form_files["sequential"].parent / "liar.py"
+    liar.write_text(SEQUENTIAL_FILE.replace('REWARD_TYPE = "sequential"', 'REWARD_TYPE = "batch"'))
+    cases = [(f"{liar}:compute_score", {}, "batch", "ValueError: Please use reward_type=sequential"),
+             (f"{form_files['undeclared']}:wrong_keys", {}, "vlgrpo", "lacks keys ['overall', 'format', 'accuracy']")]
+    for spec, overrides, form, cause in cases:
+        with pytest.raises(RewardContractError) as error:
+            reward_from_config(reward_cfg(spec, **overrides), answers)
+        message = str(error.value)
+        assert spec in message and f"called as the {form!r} form" in message and cause in message
+        assert "compute_score(reward_inputs: list[dict]" in message and "fn(response: str, ground_truth: str" in message
+
+
+def test_too_many_failures_stop_with_the_first_traceback():
+    def flaky(response, ground_truth):
+        if response.startswith("boom"):
+            raise ZeroDivisionError(f"cannot grade {response}")
+        return r1v(response, ground_truth)
+
+    ok, bad = "<think>a</think><answer>3</answer>", "boom"
+    lenient = load_reward_function("r1v")  # default fraction 1.0: only a step where all fail stops
+    lenient = type(lenient)(flaky, "vlgrpo", "flaky.py:flaky")
+    assert score_responses(lenient, [ok, bad + "1", bad + "2", ok], ["3"] * 4)[1] == 2
+    with pytest.raises(RewardFailure) as error:
+        score_responses(lenient, [bad + "1", bad + "2"], ["3"] * 2)
+    message = str(error.value)
+    assert "flaky.py:flaky failed on 2 of 2 responses" in message
+    assert "Traceback (most recent call last)" in message and "ZeroDivisionError: cannot grade boom1" in message
+    strict = type(lenient)(flaky, "vlgrpo", "flaky.py:flaky", max_error_fraction=0.25)
+    assert score_responses(strict, [ok, bad, ok, ok], ["3"] * 4)[1] == 1  # 1 of 4 is not more than 25%
+    with pytest.raises(RewardFailure, match="2 of 4 responses .*max_error_fraction=0.25"):
+        score_responses(strict, [ok, bad, bad, ok], ["3"] * 4)

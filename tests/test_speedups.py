@@ -6,14 +6,16 @@ from dataclasses import replace
 import torch
 from vlgrpo import config, paths, rewards
 from vlgrpo.batch import PromptBatch, to_device
-from vlgrpo.data import encode_prompts, load_filtered, load_processor
+from vlgrpo.data.filtering import load_filtered
+from vlgrpo.data.prompts import encode_prompts
+from vlgrpo.data.sources import load_processor
 from vlgrpo.rewards import Grading, score_responses, load_reward_function, start_workers
 
 
 def demo_prompts(cfg: dict, device=None) -> PromptBatch:
     """Three validation prompts of the demo experiment, their pixel values encoded on `device`."""
     rows = load_filtered(paths.path(paths.FILTERED, config.experiment_dir(cfg), split="val"))[:3]
-    processor = load_processor(cfg["model"]["path"], cfg["data"]["min_pixels"], cfg["data"]["max_pixels"])
+    processor = load_processor(cfg["model"]["path"])
     return PromptBatch.from_processor(encode_prompts(processor, rows, device), [len(r["images"]) for r in rows])
 
 

@@ -1,11 +1,15 @@
-"""Metric logs that survive resume: JSONL dedup by step, and one W&B run (offline) across segments."""
+"""Metric logs that survive resume: one reader that merges each step's training and validation records,
+and one W&B run (offline here) for every segment and validation of an experiment."""
 
+import json
 import math
+import struct
+from pathlib import Path
 
 import pytest
 
-from vlgrpo import config
-from vlgrpo.tracking import Tracker, append_record, read_metrics
+from vlgrpo import config, evaluate, paths
+from vlgrpo.tracking import Tracker, append_record, read_metrics, read_records, wandb_run_id
 
 BASE = {"experiment": "t", "model": {"path": "m"}, "data": {"train": "a.parquet", "val": "b.parquet"}}
 
@@ -20,20 +24,93 @@ def test_resumed_steps_appear_once_and_a_torn_line_is_skipped(tmp_path):
     records = read_metrics(path)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r.get("reward/overall") for r in records[:3]] == [0.1, 0.25, 0.35]
-    assert records[3]["actor/pg_loss"] is None  # NaN stored as null: the line stays valid JSON
+    assert '"actor/pg_loss": null' in path.read_text()  # NaN stored as null: the line stays valid JSON
+    assert math.isnan(records[3]["actor/pg_loss"])
 
 
-def test_one_wandb_run_across_segments_offline(tmp_path, monkeypatch):
+def test_a_validation_record_and_later_timings_join_their_training_step(tmp_path):
+    """EasyR1 logs a validated step as one record; the reader rebuilds it from the three lines."""
+    path = tmp_path / "metrics.jsonl"
+    append_record(path, {"step": 0, "val/accuracy_reward": 0.1}, kind="val")  # the baseline
+    append_record(path, {"step": 5, "reward/overall": 0.4, "timing_s/step": 2.0})
+    append_record(path, {"step": 5, "timing_s/save_checkpoint": 0.5})  # after the save
+    append_record(path, {"step": 5, "val/accuracy_reward": 0.3, "timing_s/validation": 9.0}, kind="val")
+    append_record(path, {"step": 5, "reward/overall": 0.45, "timing_s/step": 2.1})  # a resumed re-log
+    assert [(r["step"], r["kind"]) for r in read_records(path)] == [(0, "val"), (5, "train"), (5, "train"), (5, "val"), (5, "train")]
+    assert read_metrics(path) == [
+        {"step": 0, "val/accuracy_reward": 0.1},
+        {"step": 5, "reward/overall": 0.45, "timing_s/step": 2.1, "timing_s/save_checkpoint": 0.5,
+         "val/accuracy_reward": 0.3, "timing_s/validation": 9.0},
+    ]
+
+
+def test_the_run_id_is_made_once(tmp_path):
+    first = wandb_run_id(tmp_path)
+    assert wandb_run_id(tmp_path) == first and len(first) == 12
+    assert (tmp_path / "wandb_run_id").read_text().strip() == first
+    assert [p.name for p in tmp_path.iterdir()] == ["wandb_run_id"]  # no temporary file left
+
+
+def wandb_records(path: Path):
+    """The records of a W&B transaction log (run-<id>.wandb): a 7-byte header, then LevelDB-style
+    log blocks of 32 KiB whose chunks carry serialized wandb_internal Record protos."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert struct.unpack("<4sHB", data[:7])[0] == b":W&B"
+    pos, chunks = 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # block trailer
+            pos += 32768 - pos % 32768
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunks += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            yield record
+
+
+def test_segments_and_validations_log_into_one_wandb_run_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = config.validate({**BASE, "results_dir": str(tmp_path), "trainer": {"logger": ["file", "wandb"], "wandb_mode": "offline"}})
     exp = config.experiment_dir(cfg)
-    first = Tracker(cfg, exp)
+    evaluate.log_validation(cfg, {"step": 0, "val/accuracy_reward": 0.1, "samples": [{"response": "x"}]})  # baseline
+    first = Tracker(cfg, exp)  # segment 1
     first.log({"step": 1, "reward/overall": 0.5})
+    first.add_timings(1, {"save_checkpoint": 0.25})
     first.close()
-    second = Tracker(cfg, exp, run_id=first.run_id)  # the next segment, with the id from the checkpoint
+    evaluate.log_validation(cfg, {"step": 1, "val/accuracy_reward": 0.2, "timing_s/validation": 3.0})
+    second = Tracker(cfg, exp)  # segment 2
     second.log({"step": 2, "reward/overall": 0.6})
     second.close()
-    runs = list((exp / "wandb").glob(f"offline-run-*-{first.run_id}"))
-    assert len(runs) == 2  # two segments, one run id: `wandb sync` merges them into one run
-    assert [r["step"] for r in read_metrics(exp / "metrics.jsonl")] == [1, 2]
+
+    run_id = (exp / "wandb_run_id").read_text().strip()
+    assert first.run_id == second.run_id == run_id
+    runs = sorted((exp / "wandb").glob("offline-run-*"))
+    assert len(runs) == 4 and all(r.name.split("-")[3] == run_id for r in runs)  # one run, four jobs
+    history, axes = [], set()
+    for run in runs:
+        records = list(wandb_records(run / f"run-{run_id}.wandb"))
+        assert {r.run.run_id for r in records if r.WhichOneof("record_type") == "run"} == {run_id}
+        axes |= {(r.metric.name or r.metric.glob_name, r.metric.step_metric) for r in records if r.WhichOneof("record_type") == "metric"}
+        for r in records:
+            if r.WhichOneof("record_type") == "history":
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+                history.append({k: v for k, v in row.items() if not k.startswith("_")})
+    assert ("*", "global_step") in axes  # every metric, validation too, against the training step
+    assert sorted(history, key=lambda h: (h["global_step"], sorted(h))) == [
+        {"global_step": 0, "val/accuracy_reward": 0.1},
+        {"global_step": 1, "reward/overall": 0.5},
+        {"global_step": 1, "timing_s/save_checkpoint": 0.25},
+        {"global_step": 1, "val/accuracy_reward": 0.2, "timing_s/validation": 3.0},
+        {"global_step": 2, "reward/overall": 0.6},
+    ]
+    assert read_metrics(paths.path(paths.METRICS, exp)) == [
+        {"step": 0, "val/accuracy_reward": 0.1},
+        {"step": 1, "reward/overall": 0.5, "timing_s/save_checkpoint": 0.25, "val/accuracy_reward": 0.2, "timing_s/validation": 3.0},
+        {"step": 2, "reward/overall": 0.6},
+    ]

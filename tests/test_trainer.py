@@ -8,7 +8,7 @@ import torch
 from conftest import make_experiment
 from vlgrpo import grpo
 from vlgrpo.batch import PromptBatch
-from vlgrpo.data import encode_prompts, render_prompt
+from vlgrpo.data.prompts import encode_prompts, render_prompt
 from vlgrpo.policy import response_logprobs
 from vlgrpo.rollout import Rollout, SamplingParams
 from vlgrpo.rollout.sampling import sample_key

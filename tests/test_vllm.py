@@ -14,7 +14,7 @@ import torch
 from conftest import make_experiment
 from vlgrpo import config
 from vlgrpo.batch import PromptBatch
-from vlgrpo.data import encode_prompts
+from vlgrpo.data.prompts import encode_prompts
 from vlgrpo.errors import VlgrpoError
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.sampling import sample_key

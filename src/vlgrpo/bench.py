@@ -10,8 +10,8 @@ splits are made with data.filter_split where missing. In order, on the same weig
   2. greedy decoding of a few prompts by the config's engine and by the hf engine (same tokens?);
   3. the evaluator's generation over the whole validation split (evaluate.evaluate, 601 items on
      Geometry3K's test split);
-  4. --plain-steps steps with every speed switch off (PLAIN), starting at the first measured step
-     so that both paths see the same prompts.
+  4. --plain-steps steps of the plain path (the config with --plain on top: configs/plain.yaml turns
+     every fast path off), starting at the first measured step so that both paths see the same prompts.
 Prints one table and writes the JSON. Step FLOPs are what a step needs (step_flops), so MFU is
 comparable between the paths.
 """
@@ -32,28 +32,16 @@ import transformers
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from vlgrpo import config as config_lib
-from vlgrpo import evaluate, paths
-from vlgrpo.cli import parse_assignment
+from vlgrpo import evaluate, metrics, paths
 from vlgrpo.batch import PromptBatch
-from vlgrpo.data import encode_prompts, filter_split, load_filtered
+from vlgrpo.data.filtering import filter_split, load_filtered
+from vlgrpo.data.prompts import encode_prompts
 from vlgrpo.policy import DTYPES, load_model, resolve_device
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.trainer import GRPOTrainer
 
 log = logging.getLogger("vlgrpo.bench")
 
-# The plain path: the seed recipe's model and micro-batch settings, every speed switch at its default.
-PLAIN = {
-    "model": {"gradient_checkpointing": True, "packed_vision_attention": False, "fused_rms_norm": False, "aligned_vision_mlp": False,
-              "cudnn_attention": True},
-    "worker": {
-        "actor": {"micro_batch_size_per_device_for_update": 1, "micro_batch_size_per_device_for_experience": 1,
-                  "dynamic_batching": False, "prefix_sharing": False, "logprobs_chunk_size": 0,
-                  "old_logprobs_from_update": False},
-        "rollout": {"engine": "hf"},
-    },
-}
-PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense bf16, SXM datasheets
 PHASES = ("gen", "reward", "old", "ref", "adv", "update_actor")
 TARGETS = {"step_s": 15.0, "eval_s": 30.0}  # issue 7, on one H200 (printed for H200 runs only)
 
@@ -62,7 +50,7 @@ def base_model(cfg: dict, device: torch.device):
     """(model, 'loaded' | 'random'): the folder's weights, or random ones from its config."""
     folder = Path(cfg["model"]["path"])
     if any(folder.glob("*.safetensors")) or any(folder.glob("*.bin")):
-        return load_model(folder, cfg["model"], device, trainable=True), "loaded"
+        return load_model(folder, config_lib.for_device(cfg, device)["model"], device, trainable=True), "loaded"
     torch.manual_seed(cfg["seed"])
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(
@@ -247,13 +235,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--plain-steps", type=int, default=1, help="0 skips the plain path")
+    parser.add_argument("--plain", default="configs/plain.yaml", help="the overlay that makes the plain path")
     parser.add_argument("--eval", action=argparse.BooleanOptionalAction, default=True, help="time the evaluator")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     args = parser.parse_args(argv)
     logging.getLogger("vlgrpo.trainer").setLevel(logging.DEBUG)  # each phase's seconds as it ends
-    overrides: dict = {}
-    for item in args.set:
-        overrides = config_lib.deep_merge(overrides, parse_assignment(item))
+    overrides = config_lib.parse_assignments(args.set)
     cfg = config_lib.load(args.config, overrides=overrides)
     out_path = Path(args.out or f"benchmarks/results/{cfg['experiment']}.json")
     device = resolve_device(cfg["trainer"]["device"])
@@ -262,13 +249,13 @@ def main(argv=None) -> dict:
     dtype = DTYPES[cfg["model"]["dtype"]]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
     measured = matmul_tflops(device, dtype)
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    peak = metrics.peak_tflops(device)
     result = {
         "device": name,
         "config": str(args.config),
         "weights": weights,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "rollout": {k: cfg["worker"]["rollout"][k] for k in ("batch_size", "n", "engine", "ignore_eos")}
+        "rollout": {k: config_lib.for_device(cfg, device)["worker"]["rollout"][k] for k in ("batch_size", "n", "engine", "ignore_eos")}
         | {"max_response_length": cfg["data"]["max_response_length"]},
         "matmul_tflops": measured,
         "peak_tflops": peak or measured,
@@ -287,7 +274,7 @@ def main(argv=None) -> dict:
         trainer.step(step)
     result.update(run_steps(trainer, range(first, first + args.steps), device, result["peak_tflops"]))
     write()
-    if cfg["worker"]["rollout"]["engine"] != "hf":
+    if trainer.cfg["worker"]["rollout"]["engine"] != "hf":
         result["greedy_vs_hf"] = greedy_check(trainer)
         write()
     if args.eval:
@@ -296,7 +283,7 @@ def main(argv=None) -> dict:
     trainer = None
     free(device)
     if args.plain_steps:
-        plain_cfg = config_lib.validate(config_lib.deep_merge(cfg, PLAIN))
+        plain_cfg = config_lib.load(args.config, args.plain, overrides=overrides)
         trainer = GRPOTrainer(plain_cfg)
         trainer.load(0, base=model)
         plain = run_steps(trainer, range(first, first + args.plain_steps), device, result["peak_tflops"])

@@ -9,6 +9,7 @@
     vlgrpo report   --experiment-dir results/<exp> --out results/<exp>/report [--config ...]
     vlgrpo report   --from-easyr1 LOG [LOG ...] --out DIR
     vlgrpo bench    --config configs/bench_cpu.yaml --out benchmarks/results/x.json
+    vlgrpo unlock-stale [--directory DIR]    before snakemake, after a Snakemake was killed hard
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import yaml
 
 from vlgrpo import config as config_lib
@@ -30,19 +32,8 @@ from vlgrpo import paths
 from vlgrpo.errors import VlgrpoError
 
 
-def parse_assignment(text: str) -> dict:
-    """'a.b.c=value' -> {'a.b.c': value}, the value parsed as YAML (numbers, lists, null)."""
-    if "=" not in text:
-        raise config_lib.ConfigError(f"--set expects key=value, got {text!r}")
-    key, value = text.split("=", 1)
-    return config_lib.expand_dotted({key: yaml.safe_load(value)})
-
-
 def cmd_resolve(args) -> None:
-    overrides: dict = {}
-    for item in args.set or []:
-        overrides = config_lib.deep_merge(overrides, parse_assignment(item))
-    cfg = config_lib.load(*args.configs, overrides=overrides)
+    cfg = config_lib.load(*args.configs, overrides=config_lib.parse_assignments(args.set or []))
     out = paths.path(paths.RESOLVED, config_lib.experiment_dir(cfg))
     config_lib.write_resolved(cfg, out)
     print(out)
@@ -65,7 +56,7 @@ def cmd_make_demo_model(args) -> None:
 
 
 def cmd_filter(args) -> None:
-    from vlgrpo.data import filter_split
+    from vlgrpo.data.filtering import filter_split
 
     cfg = config_lib.read_resolved(args.config)
     exp = config_lib.experiment_dir(cfg)
@@ -93,23 +84,36 @@ def cmd_train(args) -> None:
     heartbeat.parent.mkdir(parents=True, exist_ok=True)
     heartbeat.touch()
     timeout = cfg["trainer"]["stall_timeout_s"]
+    started = psutil.Process().create_time()  # the segment's startup time counts from the job's start
     child = subprocess.Popen(
         [sys.executable, "-m", "vlgrpo.trainer", "--config", str(args.config), "--end-step", str(args.end_step),
          "--marker", str(marker), "--heartbeat", str(heartbeat)],
         start_new_session=True,
+        env={**os.environ, "VLGRPO_JOB_START": str(started)},
     )
-    forward = lambda signum, _frame: os.killpg(child.pid, signum)  # noqa: E731 Snakemake's SIGTERM/SIGINT
+    forward = lambda signum, _frame: os.killpg(child.pid, signum)  # noqa: E731 Snakemake's or scancel's SIGTERM
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    # Progress is a change of the file's mtime, timed by this host's clock: on a shared file system
+    # the mtime may come from the file server's clock, which need not agree with ours.
+    seen, changed = heartbeat.stat().st_mtime_ns, time.monotonic()
     while child.poll() is None:
         time.sleep(min(5.0, timeout / 4))
-        age = time.time() - heartbeat.stat().st_mtime
+        if (mtime := heartbeat.stat().st_mtime_ns) != seen:
+            seen, changed = mtime, time.monotonic()
+        age = time.monotonic() - changed
         if child.poll() is None and age > timeout:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
             sys.exit(f"vlgrpo train: no progress for {age:.0f} s (trainer.stall_timeout_s={timeout}); killed the segment")
     if child.returncode != 0:
         sys.exit(f"vlgrpo train: the segment to step {args.end_step} failed (exit status {child.returncode})")
+
+
+def cmd_unlock_stale(args) -> None:
+    from vlgrpo import locks
+
+    print(locks.release_stale(Path(args.directory) / ".snakemake"))
 
 
 def cmd_report(argv) -> None:
@@ -156,6 +160,9 @@ def main(argv=None) -> None:
             p.add_argument("--step", type=int, required=True)
         if name == "train":
             p.add_argument("--end-step", type=int, required=True)
+    p = sub.add_parser("unlock-stale", help="release the lock of a Snakemake that was killed hard on this host")
+    p.add_argument("--directory", default=".", help="the Snakemake working directory")
+    p.set_defaults(func=cmd_unlock_stale)
     sub.add_parser("report", help="the analysis report (see vlgrpo report --help)")
     sub.add_parser("bench", help="the GRPO step benchmark (see vlgrpo bench --help)")
     args = parser.parse_args(argv)

@@ -17,9 +17,13 @@ from typing import Any
 import jsonschema
 import yaml
 
+from vlgrpo import atomic
 from vlgrpo.errors import VlgrpoError
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
+# The config groups that change what training computes (not max_steps, logging, retention): the
+# training hash of a checkpoint and the rerun key of every job that depends on training.
+TRAIN_KEYS = ("seed", "model", "data", "algorithm", "worker")
 
 
 class ConfigError(VlgrpoError, ValueError):
@@ -75,6 +79,22 @@ def expand_dotted(cfg: dict) -> dict:
     return out
 
 
+def parse_assignment(text: str) -> dict:
+    """'a.b.c=value' (--set on the command line) -> {'a': {'b': {'c': value}}}, the value read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects key=value, got {text!r}")
+    key, value = text.split("=", 1)
+    return expand_dotted({key: yaml.safe_load(value)})
+
+
+def parse_assignments(items: list[str]) -> dict:
+    """Several --set assignments as one nested override, later ones winning."""
+    out: dict = {}
+    for item in items:
+        out = deep_merge(out, parse_assignment(item))
+    return out
+
+
 def _types(schema: dict) -> set:
     declared = schema.get("type", [])
     types = set(declared if isinstance(declared, list) else [declared])
@@ -88,7 +108,7 @@ def _coerce_strings(node, schema: dict):
     if isinstance(node, dict):
         props = schema.get("properties", {})
         return {k: _coerce_strings(v, props[k]) if k in props else v for k, v in node.items()}
-    if isinstance(node, str) and not (_types(schema) & {"string", "str"}):
+    if isinstance(node, str) and (not (_types(schema) & {"string", "str"}) or ("x-auto" in schema and node != "auto")):
         try:
             return yaml.safe_load(node)
         except yaml.YAMLError:
@@ -112,12 +132,55 @@ def validate(cfg: dict) -> dict:
             f"'worker.rollout.batch_size' ({rollout['batch_size']}) must be a multiple of "
             f"'worker.actor.global_batch_size' ({actor['global_batch_size']})"
         )
-    if actor["optim"]["strategy"] == "adamw" and cfg["model"]["dtype"] != "float32":
+    optim = actor["optim"]
+    if optim["lr_warmup_steps"] is not None and optim["lr_warmup_ratio"]:
         raise ConfigError(
-            "'worker.actor.optim.strategy' adamw keeps float32 moments and needs 'model.dtype' float32; "
-            "use adamw_bf16 for bfloat16 weights"
+            f"'worker.actor.optim.lr_warmup_steps' ({optim['lr_warmup_steps']}) and 'lr_warmup_ratio' "
+            f"({optim['lr_warmup_ratio']}) are both set; set one"
         )
+    for refuse in _UNSUPPORTED:
+        refuse(cfg)
     return cfg
+
+
+# Keys EasyR1 users know that this version cannot honour yet: each refused by its own check, to be
+# deleted by the change that implements it.
+def _refuse_multi_gpu(cfg: dict) -> None:
+    trainer = cfg["trainer"]
+    if trainer["n_gpus_per_node"] > 1 or trainer["nnodes"] > 1:
+        raise ConfigError(
+            f"'trainer.n_gpus_per_node' {trainer['n_gpus_per_node']} / 'trainer.nnodes' {trainer['nnodes']}: "
+            "training runs on one device for now; set n_gpus_per_node 1 (0 on a CPU) and nnodes 1"
+        )
+
+
+_UNSUPPORTED = (_refuse_multi_gpu,)
+
+
+def _auto_keys(schema: dict, prefix: tuple = ()):
+    """(path, x-auto) of every key whose default is `auto`."""
+    for key, sub in schema.get("properties", {}).items():
+        if "x-auto" in sub:
+            yield prefix + (key,), sub["x-auto"]
+        yield from _auto_keys(sub, prefix + (key,))
+
+
+def for_device(cfg: dict, device) -> dict:
+    """A copy of resolved `cfg` with every `auto` switch set for `device` (a torch.device or its type):
+    the schema's x-auto value for CUDA, or for anything else. Jobs call it once they know their device
+    (the resolved config keeps `auto`: the login node that writes it may have no GPU)."""
+    kind = "cuda" if getattr(device, "type", device) == "cuda" else "other"
+    out = copy.deepcopy(cfg)
+    for path, values in _auto_keys(load_schema()):
+        node = out
+        for part in path[:-1]:
+            node = node[part]
+        if node[path[-1]] == "auto":
+            node[path[-1]] = values[kind]
+    actor = cfg["worker"]["actor"]
+    if actor["prefix_sharing"] == "auto" and out["model"]["gradient_checkpointing"]:
+        out["worker"]["actor"]["prefix_sharing"] = False  # it needs the activations checkpointing drops
+    return out
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -143,12 +206,15 @@ def load(*paths: str | os.PathLike, overrides: dict | None = None) -> dict:
 
 
 def _without_defaults(node, schema: dict):
-    """`node` without the leaves that equal their schema default (None if nothing is left)."""
+    """`node` without the leaves that equal their schema default (None if nothing is left). An `auto`
+    switch set to its value off CUDA counts as default, so a CPU job hashes as its config reads."""
     if isinstance(node, dict):
         props = schema.get("properties", {})
         kept = {k: _without_defaults(v, props.get(k, {})) for k, v in node.items()}
         kept = {k: v for k, v in kept.items() if v is not None}
         return kept or None
+    if "x-auto" in schema and schema["x-auto"]["other"] == node:
+        return None
     return None if "default" in schema and schema["default"] == node else node
 
 
@@ -166,11 +232,7 @@ def experiment_dir(cfg: dict) -> Path:
 
 def write_resolved(cfg: dict, path: str | os.PathLike) -> None:
     """Write the resolved config, replacing the file atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    os.replace(tmp, path)
+    atomic.write_text(path, yaml.safe_dump(cfg, sort_keys=False))
 
 
 def read_resolved(path: str | os.PathLike) -> dict:

@@ -3,3 +3,7 @@
 
 class VlgrpoError(Exception):
     """A problem with the user's config, data, model folder or checkpoints; the message names it."""
+
+
+class DataError(VlgrpoError, ValueError):
+    """Unusable data, template or model folder; the message names the problem."""

@@ -3,30 +3,34 @@
 Generates on the filtered validation split with worker.rollout.val_override_config (temperature 0 =
 greedy; n > 1 gives mean scores and pass@n), scores with the training reward function, and writes
 val/step_XXXXXX.json (EasyR1 metric names plus `samples`: the same val_generations_to_log items at
-every step, chosen by the seed) and val/step_XXXXXX.generations.jsonl (every response with its score).
+every step, chosen by the seed) and val/step_XXXXXX.generations.jsonl (every response with its score);
+the metrics also go into metrics.jsonl as the step's validation record (and W&B, when configured).
 The sampling noise of item i is keyed by (seed, item, sample) only, the same at every step, so the
 difference between two checkpoints is not sampling luck.
+A training segment validates its own checkpoint in-process (evaluate(..., in_process=True)); the
+evaluate rule then adopts that result instead of validating again (val_results).
 Launch: `vlgrpo evaluate --config results/<exp>/config.resolved.yaml --step N`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
 from vlgrpo import config as config_lib
-from vlgrpo import paths, plan
-from vlgrpo.batch import PromptBatch
-from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
-from vlgrpo.data import encode_prompts, load_filtered, load_processor
+from vlgrpo import atomic, metrics, paths, val_results
+from vlgrpo.checkpoint import CheckpointStore
+from vlgrpo.data.filtering import load_filtered
+from vlgrpo.data.sources import load_processor
 from vlgrpo.policy import load_model, resolve_device
-from vlgrpo.rewards import Grading, load_reward_function, start_workers
+from vlgrpo.rewards import reward_from_config, start_workers
 from vlgrpo.rollout import SamplingParams, make_engine
+from vlgrpo.rollout.graded import generate_and_grade
 from vlgrpo.rollout.sampling import sample_key
+from vlgrpo.tracking import SAMPLES, Tracker
 
 VAL_STREAM = 0x5A17  # keeps validation keys apart from training keys (seed, step, ...)
 
@@ -35,16 +39,6 @@ def logged_items(seed: int, n_rows: int, count: int) -> list[int]:
     """Positions of the validation rows shown at every step: a fixed, seeded choice."""
     generator = torch.Generator().manual_seed(sample_key(seed, VAL_STREAM))
     return sorted(torch.randperm(n_rows, generator=generator)[:count].tolist())
-
-
-def _length_stats(prefix: str, lengths: torch.Tensor, limit: int) -> dict:
-    lengths = lengths.float()
-    return {
-        f"{prefix}/mean": lengths.mean().item(),
-        f"{prefix}/max": lengths.max().item(),
-        f"{prefix}/min": lengths.min().item(),
-        f"{prefix}/clip_ratio": (lengths == limit).float().mean().item(),
-    }
 
 
 def model_path_for(cfg: dict, step: int) -> str:
@@ -60,39 +54,36 @@ def model_path_for(cfg: dict, step: int) -> str:
     return str(folder)
 
 
-def evaluate(cfg: dict, step: int, model=None) -> dict:
+def evaluate(cfg: dict, step: int, model=None, in_process: bool = False) -> dict:
     """Validate step `step`; write its JSON and JSONL; return the record.
 
-    model: an in-memory model to validate instead of loading step's (the benchmark's random weights).
+    model: an in-memory model to validate instead of loading step's (the trainer's policy, the
+    benchmark's random weights). in_process: write the result aside for the evaluate rule to adopt.
     """
     start = time.perf_counter()
     start_workers()  # the grading processes spawn and import while the model loads and generates
     exp = config_lib.experiment_dir(cfg)
     data, val = cfg["data"], cfg["worker"]["rollout"]["val_override_config"]
     device = resolve_device(cfg["trainer"]["device"])
-    processor = load_processor(cfg["model"]["path"], data["min_pixels"], data["max_pixels"])
+    cfg = config_lib.for_device(cfg, device)
+    processor = load_processor(cfg["model"]["path"])
+    rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))
+    reward_fn = reward_from_config(cfg, [r["answer"] for r in rows[:8]])  # stops here if it breaks the contract
     if model is None:
         model = load_model(model_path_for(cfg, step), cfg["model"], device, trainable=False)
     rollout = cfg["worker"]["rollout"]
     engine = make_engine(rollout["engine"], model, processor, rollout["cuda_graph"], cfg)
-    reward = cfg["worker"]["reward"]
-    reward_fn = load_reward_function(reward["reward_function"], reward["format_weight"])
-    rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))
 
     n = val["n"]
-    encode_start = time.perf_counter()
-    enc = encode_prompts(processor, rows, device)  # pixel values made on the model's device: no host copy of them
-    prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows], [r["images"] for r in rows]).repeat_interleave(n)
-    keys = torch.tensor([sample_key(cfg["seed"], VAL_STREAM, r["index"], j) for r in rows for j in range(n)])
     params = SamplingParams(val["temperature"], val["top_p"], data["max_response_length"])
-    batch = data["val_batch_size"] if data["val_batch_size"] > 0 else len(prompts)
-    gen_start = time.perf_counter()
-    out = engine.generate(prompts, keys, params, batch_size=batch, progress=True)
+    batch = data["val_batch_size"] if data["val_batch_size"] > 0 else len(rows) * n
+    prompts, out, grading, timing = generate_and_grade(
+        engine, processor, rows, n, (cfg["seed"], VAL_STREAM), params, batch, reward_fn, device, progress=True
+    )
     score_start = time.perf_counter()
-    answers = [r["answer"] for r in rows for _ in range(n)]
-    scores, errors = Grading(reward_fn, out.texts, answers).result()  # on several CPU cores where there are
-    timing = {"encode": gen_start - encode_start, "generation": score_start - gen_start,
-              "scoring": time.perf_counter() - score_start}
+    scores, errors = grading.result()  # on several CPU cores where there are
+    timing = {"encode": timing["encode"], "generation": timing["generation"],
+              "scoring": timing.pop("grading") + time.perf_counter() - score_start}
 
     def mean(key):
         return sum(s[key] for s in scores) / len(scores)
@@ -106,8 +97,8 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
         "val/reward_score": mean("overall"),
         f"val/pass@{n}": (accuracy >= 1.0).any(dim=1).float().mean().item(),
         "val/reward_errors": errors,
-        **_length_stats("val_response_length", out.lengths, data["max_response_length"]),
-        **_length_stats("val_prompt_length", prompts.attention_mask.sum(-1), data["max_prompt_length"]),
+        **metrics.length_metrics("val_response_length", out.lengths, data["max_response_length"]),
+        **metrics.length_metrics("val_prompt_length", prompts.attention_mask.sum(-1), data["max_prompt_length"]),
         "val/tokens_per_s": float(out.lengths.sum()) / timing["generation"],
         **{f"timing_s/{k}": v for k, v in timing.items()},
     }
@@ -123,29 +114,34 @@ def evaluate(cfg: dict, step: int, model=None) -> dict:
     ]
     record["timing_s/validation"] = time.perf_counter() - start
 
-    generations = paths.path(paths.GENERATIONS, exp, step=step)
-    generations.parent.mkdir(parents=True, exist_ok=True)
-    tmp = generations.with_name(f".{generations.name}.tmp")
-    with open(tmp, "w") as f:
-        for k, text in enumerate(out.texts):
-            row = rows[k // n]
-            line = {"index": row["index"], "sample": k % n, "ground_truth": row["answer"], "response": text,
-                    "length": int(out.lengths[k]), "truncated": bool(out.truncated[k]), **scores[k]}
-            f.write(json.dumps(line) + "\n")
-    os.replace(tmp, generations)
-    write_json_atomic(paths.path(paths.VAL, exp, step=step), record)
+    record["eval_key"] = val_results.eval_key(cfg)
+    record["validated_in_process"] = in_process
+
+    lines = []
+    for k, text in enumerate(out.texts):
+        row = rows[k // n]
+        line = {"index": row["index"], "sample": k % n, "ground_truth": row["answer"], "response": text,
+                "length": int(out.lengths[k]), "truncated": bool(out.truncated[k]), **scores[k]}
+        lines.append(json.dumps(line) + "\n")
+    generations, val = (paths.GENERATIONS_IN_PROCESS, paths.VAL_IN_PROCESS) if in_process else (paths.GENERATIONS, paths.VAL)
+    atomic.write_lines(paths.path(generations, exp, step=step), lines)  # the record last: it says the pair is complete
+    atomic.write_json(paths.path(val, exp, step=step), record)
     return record
 
 
-def prune_after_validation(cfg: dict, step: int) -> None:
-    """Weights of a validated checkpoint that is no longer among the newest ones can go now."""
-    if step:
-        stats = json.loads(paths.path(paths.STATS, config_lib.experiment_dir(cfg), split="train").read_text())
-        apply_retention(cfg, plan.total_steps(cfg, stats["steps_per_epoch"]))
+def log_validation(cfg: dict, record: dict, tracker: Tracker | None = None) -> None:
+    """Log a validation result as the validated step's "val" record, in metrics.jsonl and the
+    experiment's W&B run (through `tracker` when the caller holds one open, else a job-own one)."""
+    own = tracker is None
+    tracker = tracker or Tracker(cfg, config_lib.experiment_dir(cfg))
+    tracker.log({k: v for k, v in record.items() if k != SAMPLES and isinstance(v, (int, float))}, kind="val")
+    if own:
+        tracker.close()
 
 
 def main(config_path: str | Path, step: int) -> dict:
+    """The evaluate rule: adopt the segment's own validation of `step` if it has one, else validate."""
     cfg = config_lib.read_resolved(config_path)
-    record = evaluate(cfg, step)
-    prune_after_validation(cfg, step)
+    record = val_results.adopt(cfg, step) or evaluate(cfg, step)
+    log_validation(cfg, record)
     return record

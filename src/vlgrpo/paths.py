@@ -9,10 +9,14 @@ FILTERED = "{exp}/data/{split}.parquet"
 STATS = "{exp}/data/{split}.stats.json"
 VAL = "{exp}/val/step_{step}.json"
 GENERATIONS = "{exp}/val/step_{step}.generations.jsonl"
+# A segment's own validation of its checkpoint, until the evaluate rule adopts it as VAL / GENERATIONS.
+VAL_IN_PROCESS = "{exp}/val/in_process/step_{step}.json"
+GENERATIONS_IN_PROCESS = "{exp}/val/in_process/step_{step}.generations.jsonl"
 MARKER = "{exp}/segments/step_{step}.json"
 HEARTBEAT = "{exp}/segments/heartbeat"
 CHECKPOINTS = "{exp}/checkpoints"
 METRICS = "{exp}/metrics.jsonl"
+WANDB_RUN_ID = "{exp}/wandb_run_id"
 REPORT = "{exp}/report"
 
 

@@ -76,15 +76,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_model(path: str | os.PathLike, model_cfg: dict, device: torch.device, trainable: bool):
-    """A Qwen2.5-VL-style model from a hub id or folder (also a checkpoint's model/ folder)."""
-    model = AutoModelForImageTextToText.from_pretrained(
+def load_pretrained(path: str | os.PathLike, model_cfg: dict, device: torch.device):
+    """A Qwen2.5-VL-style model from a hub id or folder (also a checkpoint's model/ folder), its
+    weights read straight onto `device`; not yet prepared (prepare_model)."""
+    return AutoModelForImageTextToText.from_pretrained(
         str(path),
         dtype=DTYPES[model_cfg["dtype"]],
         attn_implementation=model_cfg["attn_implementation"],
         trust_remote_code=model_cfg["trust_remote_code"],
+        device_map=device if device.type == "cuda" else None,
     )
-    return prepare_model(model, model_cfg, device, trainable)
+
+
+def load_model(path: str | os.PathLike, model_cfg: dict, device: torch.device, trainable: bool):
+    """load_pretrained, then prepare_model."""
+    return prepare_model(load_pretrained(path, model_cfg, device), model_cfg, device, trainable)
 
 
 def fused_rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +142,11 @@ def set_aligned_vision_mlp(model, aligned: bool) -> None:
 
 
 def prepare_model(model, model_cfg: dict, device: torch.device, trainable: bool):
-    """Move to `device` in eval mode and apply the model settings (also to an in-memory model)."""
+    """Move to `device` in eval mode and apply the model settings (also to an in-memory model).
+
+    model_cfg: the `model` group of config.for_device(cfg, device), its `auto` switches resolved."""
+    if "auto" in model_cfg.values():
+        raise ConfigError("model settings with 'auto' switches: resolve them with config.for_device first")
     model = model.to(device)
     model.eval()
     vision = model.model.visual.config

@@ -35,14 +35,17 @@ import torch
 from tqdm.auto import tqdm
 
 from vlgrpo import config as config_lib
-from vlgrpo import grpo, paths, plan
+from vlgrpo import atomic, evaluate, grpo, metrics, paths, plan, val_results
 from vlgrpo.batch import PromptBatch, to_device
-from vlgrpo.checkpoint import CheckpointStore, apply_retention, write_json_atomic
-from vlgrpo.data import encode_prompts, load_filtered, load_processor
+from vlgrpo.checkpoint import CheckpointStore, apply_retention
+from vlgrpo.data.filtering import load_filtered
+from vlgrpo.data.sources import load_processor
 from vlgrpo.errors import VlgrpoError
-from vlgrpo.policy import ForwardOptions, load_model, micro_batches, prepare_model, resolve_device, response_logprobs
-from vlgrpo.rewards import Grading, load_reward_function
+from vlgrpo.optim import build_optimizer, lr_at
+from vlgrpo.policy import ForwardOptions, load_pretrained, micro_batches, prepare_model, resolve_device, response_logprobs
+from vlgrpo.rewards import reward_from_config
 from vlgrpo.rollout import SamplingParams, make_engine
+from vlgrpo.rollout.graded import generate_and_grade
 from vlgrpo.rollout.sampling import sample_key
 from vlgrpo.tracking import Tracker, read_metrics
 
@@ -55,7 +58,7 @@ class NonFiniteError(VlgrpoError, RuntimeError):
 
 def training_hash(cfg: dict) -> str:
     """Hash of everything that changes what training computes (not max_steps, logging, retention)."""
-    return config_lib.config_hash({k: cfg[k] for k in ("seed", "model", "data", "algorithm", "worker")})
+    return config_lib.config_hash({k: cfg[k] for k in config_lib.TRAIN_KEYS})
 
 
 @contextlib.contextmanager
@@ -97,45 +100,21 @@ class Faults:
         return True
 
 
-def build_optimizer(cfg: dict, model) -> torch.optim.Optimizer:
-    optim = cfg["worker"]["actor"]["optim"]
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(
-        params,
-        lr=optim["lr"],
-        betas=tuple(optim["betas"]),
-        weight_decay=optim["weight_decay"],
-        fused=bool(params) and params[0].device.type == "cuda",  # one kernel for all parameters
-    )
-
-
-def lr_at(cfg: dict, step: int) -> float:
-    """Linear warm-up over absolute steps, then constant: independent of the run's length."""
-    optim = cfg["worker"]["actor"]["optim"]
-    warmup = optim["lr_warmup_steps"]
-    return optim["lr"] * (min(1.0, step / warmup) if warmup else 1.0)
-
-
-def _stats(prefix: str, values: torch.Tensor) -> dict:
-    values = values.float()
-    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(), f"{prefix}/min": values.min().item()}
 
 
 class GRPOTrainer:
     def __init__(self, cfg: dict, heartbeat: Heartbeat | None = None):
-        self.cfg = cfg
+        self.device = resolve_device(cfg["trainer"]["device"])
+        self.cfg = cfg = config_lib.for_device(cfg, self.device)
         self.exp_dir = config_lib.experiment_dir(cfg)
         self.heartbeat = heartbeat or Heartbeat(None)
         self.faults = Faults()
-        self.device = resolve_device(cfg["trainer"]["device"])
-        data = cfg["data"]
-        self.processor = load_processor(cfg["model"]["path"], data["min_pixels"], data["max_pixels"])
+        self.processor = load_processor(cfg["model"]["path"])
         self.rows = load_filtered(paths.path(paths.FILTERED, self.exp_dir, split="train"))
         self.batch_size = cfg["worker"]["rollout"]["batch_size"]
         self.steps_per_epoch = len(self.rows) // self.batch_size
         self.total_steps = plan.total_steps(cfg, self.steps_per_epoch)
-        reward = cfg["worker"]["reward"]
-        self.reward_fn = load_reward_function(reward["reward_function"], reward["format_weight"])
+        self.reward_fn = reward_from_config(cfg, [r["answer"] for r in self.rows[:8]])  # stops here if it breaks the contract
         self.store = CheckpointStore(paths.path(paths.CHECKPOINTS, self.exp_dir))
         self.policy = self.ref = self.optimizer = self.engine = None
         self.forward = ForwardOptions.from_config(cfg)
@@ -150,27 +129,42 @@ class GRPOTrainer:
         return order[position * self.batch_size : (position + 1) * self.batch_size].tolist()
 
     # --- state -----------------------------------------------------------------------------
-    def load(self, step: int, base=None) -> None:
-        """Policy, reference, optimizer and rollout engine, resumed from checkpoint `step` (0 = base).
+    def _build(self, base=None) -> None:
+        """Policy, reference and optimizer from the base model, read once: the reference is a copy.
 
-        base: an in-memory base model used instead of model.path at step 0 (the benchmark's random
-        weights); the reference is a copy of it.
+        base: an in-memory base model used instead of model.path (the benchmark's random weights).
         """
         model_cfg = self.cfg["model"]
-        if base is not None and step:
-            raise ValueError("an in-memory base model only starts a run (step 0)")
+        base = load_pretrained(model_cfg["path"], model_cfg, self.device) if base is None else base
         algorithm = self.cfg["algorithm"]
         if algorithm["use_kl_loss"] and algorithm["kl_coef"] > 0:
-            self.ref = (load_model(model_cfg["path"], model_cfg, self.device, trainable=False) if base is None
-                        else prepare_model(copy.deepcopy(base), model_cfg, self.device, trainable=False))
-        source = self.store.model_dir(step) if step else model_cfg["path"]
-        self.policy = (load_model(source, model_cfg, self.device, trainable=True) if base is None
-                       else prepare_model(base, model_cfg, self.device, trainable=True))
+            self.ref = prepare_model(copy.deepcopy(base), model_cfg, self.device, trainable=False)
+        self.policy = prepare_model(base, model_cfg, self.device, trainable=True)
         self.optimizer = build_optimizer(self.cfg, self.policy)
-        if step:
-            self.store.load_optimizer(step, self.optimizer)
+
+    def _make_engine(self) -> None:
         rollout = self.cfg["worker"]["rollout"]
         self.engine = make_engine(rollout["engine"], self.policy, self.processor, rollout["cuda_graph"], self.cfg)
+
+    def load(self, step: int, base=None) -> None:
+        """Policy, reference, optimizer and rollout engine, resumed from checkpoint `step` (0 = base)."""
+        if base is not None and step:
+            raise ValueError("an in-memory base model only starts a run (step 0)")
+        self._build(base)
+        if step:
+            self.store.load(step, self.policy, self.optimizer)
+        self._make_engine()
+
+    def resume(self, upto: int, timing: dict) -> tuple[int, dict]:
+        """Build the models and load the newest intact checkpoint at most `upto` (a corrupt one is
+        refused and the one before it used); (step, its state), (0, {}) for a fresh start."""
+        with timer(timing, "build_model"):
+            self._build()
+        self.heartbeat.beat()
+        with timer(timing, "load_checkpoint"):
+            start, state = self.store.restore(self.policy, self.optimizer, upto)
+        self._make_engine()
+        return start, state
 
     def save(self, step: int, run_id: str) -> Path:
         epoch, position = divmod(step, self.steps_per_epoch)
@@ -179,10 +173,21 @@ class GRPOTrainer:
             "data_position": {"epoch": epoch, "batch_in_epoch": position, "steps_per_epoch": self.steps_per_epoch},
             "wandb_run_id": run_id,
         }
-        if self.faults.fires("kill_in_save", step):
-            self.policy.save_pretrained(self.store.root / f".tmp_global_step_{step:06d}" / "model")
-            os.kill(os.getpid(), signal.SIGKILL)
-        return self.store.save(step, self.policy, self.processor, self.optimizer, state)
+        kill = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if self.faults.fires("kill_in_save", step) else None
+        return self.store.save(step, self.policy, self.optimizer, self.processor, state, before_publish=kill)
+
+    def validate(self, step: int) -> dict | None:
+        """Validate checkpoint `step` with the policy in memory (as the evaluate rule would, written
+        aside for it to adopt); None if validation failed: the checkpoint stands, the rule validates it."""
+        self.optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free for generation
+        try:
+            return evaluate.evaluate(self.cfg, step, model=self.policy, in_process=True)
+        except Exception:
+            log.exception("in-process validation of step %d failed; the evaluate rule will validate it", step)
+            return None
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     # --- one step --------------------------------------------------------------------------
     def _micro_batches(self, prompts: PromptBatch, mask, rows: list[int], micro: int) -> list[list[int]]:
@@ -212,19 +217,15 @@ class GRPOTrainer:
             torch.cuda.reset_accumulated_memory_stats()
         step_start = time.perf_counter()
         rows = [self.rows[i] for i in self.batch_indices(step)]
-        with timer(timing, "gen"):
-            enc = encode_prompts(self.processor, rows, self.device)  # pixels made on the model's device: no host copies on a GPU
-            prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows], [r["images"] for r in rows]).repeat_interleave(n)
-            keys = torch.tensor([sample_key(cfg["seed"], step, r["index"], j) for r in rows for j in range(n)])
-            params = SamplingParams(
-                rollout_cfg["temperature"], rollout_cfg["top_p"], cfg["data"]["max_response_length"], rollout_cfg["ignore_eos"]
-            )
-            out = self.engine.generate(prompts, keys, params, batch_size=len(prompts))
-        self.heartbeat.beat()
+        params = SamplingParams(
+            rollout_cfg["temperature"], rollout_cfg["top_p"], cfg["data"]["max_response_length"], rollout_cfg["ignore_eos"]
+        )
         # Grading runs on other CPU cores while old and ref run; `reward` is the time the step waits for it.
-        reward_start = time.perf_counter()
-        grading = Grading(self.reward_fn, out.texts, [r["answer"] for r in rows for _ in range(n)])
-        reward_s = time.perf_counter() - reward_start
+        prompts, out, grading, gen_timing = generate_and_grade(
+            self.engine, self.processor, rows, n, (cfg["seed"], step), params, len(rows) * n, self.reward_fn, self.device
+        )
+        timing["gen"], reward_s = gen_timing["encode"] + gen_timing["generation"], gen_timing["grading"]
+        self.heartbeat.beat()
         micro = actor["micro_batch_size_per_device_for_experience"]
         with timer(timing, "old"):  # the update fills the rows it computes itself (old_logprobs_from_update)
             first = actor["global_batch_size"] * n if actor["old_logprobs_from_update"] else 0
@@ -243,34 +244,30 @@ class GRPOTrainer:
             update = self.update_actor(step, prompts, out, old_logp, ref_logp, advantages)
         timing["step"] = time.perf_counter() - step_start
 
-        mask = out.response_mask.bool()
-        lengths, prompt_lengths = out.lengths.float(), prompts.attention_mask.sum(-1).float()
-        max_prompt, max_response = cfg["data"]["max_prompt_length"], cfg["data"]["max_response_length"]
-        total_tokens = int(lengths.sum() + prompt_lengths.sum())
-        devices = max(1, cfg["trainer"]["n_gpus_per_node"] * cfg["trainer"]["nnodes"])
-        groups = overall.view(-1, n)
+        lengths, prompt_lengths = out.lengths, prompts.attention_mask.sum(-1)
+        seqlens = (lengths + prompt_lengths).tolist()  # (N,) prompt + response tokens, batch order
+        response_tokens, total_tokens = int(lengths.sum()), sum(seqlens)
+        world, groups = metrics.world_size(), overall.view(-1, n)
         record = {
             "step": step,
             **{f"reward/{k}": sum(s[k] for s in scores) / len(scores) for k in ("overall", "format", "accuracy")},
             "reward/errors": reward_errors,
             **update,
-            **_stats("critic/score", overall),
-            **_stats("critic/advantages", advantages[:, None].expand_as(mask)[mask]),
+            **metrics.data_metrics(overall, overall, advantages, out.response_mask),
             "critic/zero_adv_group_frac": (groups.max(1).values == groups.min(1).values).float().mean().item(),
-            **_stats("response_length", lengths),
-            "response_length/clip_ratio": (lengths == max_response).float().mean().item(),
-            **_stats("prompt_length", prompt_lengths),
-            "prompt_length/clip_ratio": (prompt_lengths == max_prompt).float().mean().item(),
-            **{f"timing_s/{k}": v for k, v in timing.items()},
-            "perf/total_num_tokens": total_tokens,
-            "perf/time_per_step": timing["step"],
-            "perf/throughput": total_tokens / (timing["step"] * devices),
-            "perf/cpu_memory_used_gb": psutil.Process().memory_info().rss / 2**30,
+            **metrics.length_metrics("response_length", lengths, cfg["data"]["max_response_length"]),
+            **metrics.length_metrics("prompt_length", prompt_lengths, cfg["data"]["max_prompt_length"]),
+            **metrics.seqlen_metrics(seqlens, world=world),
+            **metrics.timing_metrics(timing, response_tokens, total_tokens),
+            **metrics.throughput_metrics(total_tokens, timing["step"], world),
+            "perf/mfu_actor": metrics.mfu(
+                metrics.actor_flops(self.policy.config.get_text_config(), seqlens), timing["update_actor"],
+                actor["ppo_epochs"], metrics.peak_tflops(self.device), world,
+            ),
+            **metrics.memory_metrics(self.device),
         }
         record["actor/entropy_loss"] = grpo.entropy_from_logp(old_logp, out.response_mask.float()).item()
         if self.device.type == "cuda":
-            record["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            record["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
             allocator = torch.cuda.memory_stats()  # this step's: cudaMalloc calls, flush-and-retry events
             record["perf/cuda_malloc_calls"] = allocator.get("num_device_alloc", 0)
             record["perf/cuda_alloc_retries"] = allocator.get("num_alloc_retries", 0)
@@ -286,7 +283,7 @@ class GRPOTrainer:
         temperature = cfg["worker"]["rollout"]["temperature"]
         n, mode = cfg["worker"]["rollout"]["n"], actor["loss_avg_mode"]
         mini, micro = actor["global_batch_size"] * n, actor["micro_batch_size_per_device_for_update"]
-        lr = lr_at(cfg, step)
+        lr = lr_at(cfg, step, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -356,46 +353,65 @@ class GRPOTrainer:
 
 
 def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | None = None) -> dict:
-    """Train from the latest checkpoint to `end_step`, save a checkpoint there, write the marker last."""
-    times = {}
+    """Train from the latest checkpoint to `end_step`, save a checkpoint there, validate it in-process
+    if it is on the validation grid, write the marker last.
+
+    The job's phases go to the marker and, as timing_s/*, into end_step's record in metrics.jsonl:
+    startup (job start to model build: interpreter, imports, data), build_model, load_checkpoint,
+    train, save_checkpoint, validation.
+    """
+    job_start = float(os.environ.get("VLGRPO_JOB_START") or psutil.Process().create_time())
+    times: dict[str, float] = {}
     trainer = GRPOTrainer(cfg, heartbeat)
     if end_step > trainer.total_steps:
         raise ValueError(f"end step {end_step} is past the run's last step {trainer.total_steps}")
     start = trainer.store.latest() or 0
-    run_id = trainer.store.state(start)["wandb_run_id"] if start else None
-    if start and trainer.store.state(start)["config_hash"] != training_hash(cfg):
-        raise config_lib.ConfigError(
-            f"checkpoint {trainer.store.path(start)} was made with a different training config; "
-            f"use a new experiment name, or delete {trainer.store.root} to start over"
-        )
-    tracker = Tracker(cfg, trainer.exp_dir, run_id)
+    validation = None
+    tracker = None
     if start < end_step:
-        with timer(times, "load"):
-            trainer.load(start)
+        times["startup"] = time.time() - job_start
+        start, state = trainer.resume(end_step, times)
+        if start and state["config_hash"] != training_hash(trainer.cfg):
+            raise config_lib.ConfigError(
+                f"checkpoint {trainer.store.path(start)} was made with a different training config; "
+                f"use a new experiment name, or delete {trainer.store.root} to start over"
+            )
+        tracker = Tracker(cfg, trainer.exp_dir)
         trainer.heartbeat.beat()
         with timer(times, "train"):
             for step in tqdm(range(start + 1, end_step + 1), desc=f"segment to {end_step}", initial=start, total=end_step):
                 record = trainer.step(step)
                 tracker.log(record)
                 trainer.heartbeat.beat()
-        with timer(times, "save"):
+        with timer(times, "save_checkpoint"):
             trainer.save(end_step, tracker.run_id)
-        apply_retention(cfg, trainer.total_steps)
+        trainer.heartbeat.beat()
+        if end_step in plan.validation_steps(cfg, trainer.total_steps):
+            with timer(times, "validation"):
+                validation = trainer.validate(end_step)
+            trainer.heartbeat.beat()
+        apply_retention(cfg, trainer.total_steps, lambda s: val_results.is_validated(cfg, s))
+        parts = {} if validation is None else {f"validation_{k.split('/')[1]}": validation[k] for k in
+                                               ("timing_s/encode", "timing_s/generation", "timing_s/scoring")}
+        tracker.add_timings(end_step, {**times, **parts})
     else:
         log.info("checkpoint %d already covers step %d: nothing to train", start, end_step)
-    tracker.close()
-    last = next((r for r in read_metrics(tracker.path) if r["step"] == end_step), {})
+    if tracker is not None:
+        tracker.close()
+    last = next((r for r in read_metrics(paths.path(paths.METRICS, trainer.exp_dir)) if r["step"] == end_step), {})
     summary = {k: last[k] for k in ("reward/overall", "reward/format", "reward/accuracy", "actor/kl_loss") if k in last}
     out = {
         "end_step": end_step,
         "start_step": start,
         "checkpoint": str(trainer.store.path(end_step)),
-        "config_hash": training_hash(cfg),
+        "config_hash": training_hash(trainer.cfg),
         "metrics": summary,
+        "validated_in_process": validation is not None,
         "timing_s": times,
+        "job_start": job_start,
+        "job_end": time.time(),
     }
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(marker, out)
+    atomic.write_json(marker, out)
     return out
 
 

@@ -1,6 +1,7 @@
 # The GRPO step benchmark (issue 7): the production step, optimized and plain, in one process.
 #   snakemake bench --cores all --configfile configs/bench_h200.yaml --forcerun bench
-# (configs/bench_cpu.yaml: the tiny demo model on a CPU). The JSON goes to benchmarks/results/.
+# (configs/bench_cpu.yaml: the tiny demo model on a CPU). The JSON goes to benchmarks/results/;
+# the plain path is the config with configs/plain.yaml on top.
 
 
 rule bench:
@@ -12,7 +13,8 @@ rule bench:
         f"benchmarks/results/{CFG['experiment']}.json",
     params:
         config=RESOLVED,
-        key=config_key(*TRAIN_KEYS, "trainer.device"),
+        plain=f"{workflow.basedir}/configs/plain.yaml",
+        key=config_key(*config_lib.TRAIN_KEYS, "trainer.device"),
     resources:
         gpu=EVAL_GPUS,
     log:
@@ -20,4 +22,4 @@ rule bench:
     conda:
         CONDA_ENV
     shell:
-        "vlgrpo bench --config {params.config} --out {output} > {log} 2>&1"
+        "vlgrpo bench --config {params.config} --plain {params.plain} --out {output} > {log} 2>&1"

@@ -1,12 +1,10 @@
-import os
-import sys
-import shutil
-import subprocess
+import json
 from pathlib import Path
 
 from vlgrpo import config as config_lib
-from vlgrpo import paths, plan
+from vlgrpo import locks, paths, plan, val_results
 from vlgrpo.config import ConfigError
+from vlgrpo.report.plots import FIGURES
 
 try:
     CFG = config_lib.validate(config)
@@ -21,11 +19,6 @@ DEMO_SPLITS = ["train", "validation", "test"]
 STEP = r"\d{6}"
 CONDA_ENV = str(Path(workflow.basedir) / "envs" / "vlgrpo.yaml")  # snakemake --use-conda
 
-# Written at parse time, and only when it changes: jobs read it, but the rerun decision rests on the
-# `params` hashes below, so raising max_steps only adds segments.
-if not RESOLVED.is_file() or config_lib.read_resolved(RESOLVED) != CFG:
-    config_lib.write_resolved(CFG, RESOLVED)
-
 
 def _pick(dotted):
     node = CFG
@@ -39,24 +32,17 @@ def config_key(*dotted):
     return config_lib.config_hash(config_lib.expand_dotted({k: _pick(k) for k in dotted}))
 
 
-TRAIN_KEYS = ("seed", "model", "data", "algorithm", "worker")
 EVAL_KEYS = ("seed", "model", "data", "worker.rollout.engine", "worker.rollout.val_override_config",
              "worker.reward", "trainer.device", "trainer.val_generations_to_log")
 
 
-def visible_gpus():
-    """GPUs on this machine (CUDA_VISIBLE_DEVICES wins), so that GPU jobs never oversubscribe them."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() not in ("", "-1")])
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
-    return out.stdout.count("GPU ") if out.returncode == 0 else 0
-
-
-if "gpu" not in workflow.global_resources:
-    workflow.register_resource("gpu", visible_gpus())
+# Snakemake's local executor does not pin jobs to GPUs: two GPU jobs side by side would share the
+# first one. So unless --resources gpu=N says otherwise, a node is taken to have the GPUs one job
+# uses (trainer.n_gpus_per_node), and GPU jobs run one at a time. Read from the config, not probed:
+# parsing the workflow starts no program. On a cluster (an executor plugin: --jobs N sets nodes) the
+# scheduler places GPU jobs, and no such limit applies.
+if "gpu" not in workflow.global_resources and workflow.nodes is None:
+    workflow.register_resource("gpu", CFG["trainer"]["n_gpus_per_node"])
 
 TRAIN_GPUS = CFG["trainer"]["n_gpus_per_node"] * CFG["trainer"]["nnodes"]
 EVAL_GPUS = min(1, TRAIN_GPUS)
@@ -78,8 +64,6 @@ def step_of(wildcards):
 def planned_total():
     """Total training steps: needs the filtered train split's size (a checkpoint rule)."""
     stats = checkpoints.filter_data.get(split="train").output.stats
-    import json
-
     return plan.total_steps(CFG, json.loads(Path(stats).read_text())["steps_per_epoch"])
 
 
@@ -91,31 +75,44 @@ def marker_file(step):
     return paths.path(paths.MARKER, EXP, step=step)
 
 
-# A Snakemake killed hard (SIGKILL, a lost node) leaves its lock behind, and the next run would
-# refuse to start. The lock is released here when the process that took it is gone.
-LOCK_OWNER = Path(".snakemake/vlgrpo_lock_owner")
+# Input functions of the stages' rules.
 
 
-def release_stale_lock():
-    import psutil
-
-    locks = Path(".snakemake/locks")
-    if not (locks.is_dir() and any(locks.iterdir()) and LOCK_OWNER.is_file()):
-        return
-    pid = int(LOCK_OWNER.read_text())
-    try:
-        alive = "snakemake" in " ".join(psutil.Process(pid).cmdline())
-    except psutil.Error:
-        alive = False
-    if not alive:
-        shutil.rmtree(locks)
-        LOCK_OWNER.unlink()
-        print(f"vlgrpo: released the lock left by Snakemake process {pid}, which is gone", file=sys.stderr)
+def previous_segment(wildcards):
+    """The previous segment's marker; the first segment needs the filtered data and the base model."""
+    ends = plan.segment_ends(CFG, planned_total())
+    end = step_of(wildcards)
+    if end not in ends:
+        raise WorkflowError(f"step {end} is not a segment end of this run ({ends[:3]}...)")
+    i = ends.index(end)
+    if i:
+        return [marker_file(ends[i - 1])]
+    return [paths.path(paths.FILTERED, EXP, split="train")] + local_inputs(CFG["model"]["path"])
 
 
-release_stale_lock()
+def evaluated_model(wildcards):
+    step = step_of(wildcards)
+    deps = [paths.path(paths.FILTERED, EXP, split="val"), paths.path(paths.STATS, EXP, split="train")]
+    return deps + ([marker_file(step)] if step else local_inputs(CFG["model"]["path"]))
 
 
+def report_inputs(wildcards):
+    total = planned_total()
+    return [val_file(s) for s in plan.validation_steps(CFG, total)] + [
+        marker_file(plan.segment_ends(CFG, total)[-1])
+    ]
+
+
+def report_outputs():
+    out = paths.REPORT.format(exp=EXP)
+    return [f"{out}/report.html", f"{out}/summary.json"] + [f"{out}/{name}" for name in FIGURES]
+
+
+# Only when jobs are about to run (onstart: never for a dry run, a lint or a report). The resolved
+# config is what jobs read, rewritten only when it changes: the rerun decision rests on the `params`
+# hashes, so raising max_steps only adds segments. The lock's owner is recorded for
+# `vlgrpo unlock-stale` (vlgrpo/locks.py).
 onstart:
-    LOCK_OWNER.parent.mkdir(exist_ok=True)
-    LOCK_OWNER.write_text(str(os.getpid()))
+    if not Path(RESOLVED).is_file() or config_lib.read_resolved(RESOLVED) != CFG:
+        config_lib.write_resolved(CFG, RESOLVED)
+    locks.record_owner()

@@ -2,12 +2,6 @@
 # the checkpoint its segment wrote. It depends on that segment only, so it runs beside the next one.
 
 
-def evaluated_model(wildcards):
-    step = step_of(wildcards)
-    deps = [paths.path(paths.FILTERED, EXP, split="val"), paths.path(paths.STATS, EXP, split="train")]
-    return deps + ([marker_file(step)] if step else local_inputs(CFG["model"]["path"]))
-
-
 rule evaluate:
     input:
         evaluated_model,
@@ -19,11 +13,10 @@ rule evaluate:
     params:
         config=RESOLVED,
         # Step 0 depends on the base model and the validation settings; a checkpoint on training too.
-        key=lambda w: config_key(
-            *EVAL_KEYS, *(TRAIN_KEYS if step_of(w) else ())
-        ),
+        key=lambda w: config_key(*EVAL_KEYS, *(config_lib.TRAIN_KEYS if step_of(w) else ())),
     resources:
-        gpu=EVAL_GPUS,
+        # Adopting a segment's in-process validation is a rename: no GPU (read when the job starts).
+        gpu=lambda w: 0 if val_results.in_process_result(CFG, step_of(w)) else EVAL_GPUS,
     log:
         f"{EXP}/logs/evaluate_{{step}}.log",
     conda:

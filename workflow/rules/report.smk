@@ -1,19 +1,5 @@
 # The analysis report: figures, written analysis and summary.json from metrics.jsonl and val/.
 
-from vlgrpo.report.plots import FIGURES
-
-
-def report_inputs(wildcards):
-    total = planned_total()
-    return [val_file(s) for s in plan.validation_steps(CFG, total)] + [
-        marker_file(plan.segment_ends(CFG, total)[-1])
-    ]
-
-
-def report_outputs():
-    out = paths.REPORT.format(exp=EXP)
-    return [f"{out}/report.html", f"{out}/summary.json"] + [f"{out}/{name}" for name in FIGURES]
-
 
 rule report:
     input:
@@ -31,8 +17,8 @@ rule report:
         ],
     params:
         config=RESOLVED,
-        exp=EXP,
-        out=paths.REPORT.format(exp=EXP),
+        exp=lambda w, output: Path(output.summary).parent.parent,
+        out=lambda w, output: Path(output.summary).parent,
     log:
         f"{EXP}/logs/report.log",
     conda:

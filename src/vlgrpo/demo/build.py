@@ -14,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from vlgrpo.data import IMAGE_FACTOR, decode_image, render_prompt, resize_image
+from vlgrpo import atomic
+from vlgrpo.data.images import decode_image, image_tokens, processor_pixel_bounds, resize_image
+from vlgrpo.data.prompts import render_prompt
 from vlgrpo.demo.model import count_parameters, init_model
 from vlgrpo.demo.perception import warm_up_vision
 from vlgrpo.demo.processor import build_processor, build_tokenizer, train_bpe
@@ -48,11 +50,12 @@ def make_model(cfg: dict, out_dir: Path) -> dict:
     responses = [warmup_response(rng, template, demo["warmup_format_fraction"]) for _ in figures]
     vocab, merges = train_bpe(prompts + responses, demo["vocab_size"])
     processor = build_processor(build_tokenizer(vocab, merges), data["min_pixels"], data["max_pixels"])
+    pixels = processor_pixel_bounds(processor)
 
     rows = [
         {
             "prompt": prompt,
-            "images": [resize_image(decode_image(image), data["min_pixels"], data["max_pixels"]) for image in row["images"]],
+            "images": [resize_image(decode_image(image), data["min_pixels"], data["max_pixels"], pixels) for image in row["images"]],
         }
         for prompt, row in zip(prompts, figures)
     ]
@@ -67,7 +70,7 @@ def make_model(cfg: dict, out_dir: Path) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     processor.save_pretrained(tmp)
-    _replace_dir(tmp, out_dir)
+    atomic.replace_dir(tmp, out_dir)
 
     image = rows[0]["images"][0]
     return {
@@ -75,17 +78,8 @@ def make_model(cfg: dict, out_dir: Path) -> dict:
         "parameters": count_parameters(model),
         "tokenizer_size": len(processor.tokenizer),
         "image_size": [image.width, image.height],
-        "image_tokens_per_image": (image.width // IMAGE_FACTOR) * (image.height // IMAGE_FACTOR),
+        "image_tokens_per_image": image_tokens(image),
         "perception_warmup": perception,
         "warmup": warmup,
         "seconds": round(time.perf_counter() - start, 3),
     }
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move folder `src` to `dst`, replacing any old `dst`; a reader never sees a half-written `dst`."""
-    old = dst.with_name(f".{dst.name}.old{os.getpid()}")
-    if dst.exists():
-        os.replace(dst, old)
-    os.replace(src, dst)
-    shutil.rmtree(old, ignore_errors=True)

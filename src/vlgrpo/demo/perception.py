@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vlgrpo.data import IMAGE_FACTOR
+from vlgrpo.data.images import IMAGE_FACTOR
 from vlgrpo.demo.fit import fit
 
 TARGETS_PER_TOKEN = 6  # R, G, B means and standard deviations, in [0, 1]

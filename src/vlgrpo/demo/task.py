@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -23,6 +22,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
+
+from vlgrpo import atomic
 
 SPLITS = ("train", "validation", "test")
 # Independent random streams per split (and one for the model's warm-up), so changing one split's
@@ -147,9 +148,8 @@ def best_constant_accuracy(answers: list[str]) -> tuple[str, float]:
 def write_parquet(rows: list[dict], path: Path) -> None:
     """Write rows with SCHEMA to `path` atomically (temporary name, then rename)."""
     table = pa.Table.from_pylist(rows, schema=SCHEMA)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    pq.write_table(table, tmp, compression="zstd")
-    os.replace(tmp, path)
+    with atomic.replacing(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
 
 
 def make_dataset(cfg: dict, out_dir: Path) -> dict:

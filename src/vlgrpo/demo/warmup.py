@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from vlgrpo.batch import PromptBatch
-from vlgrpo.data import encode_prompts
+from vlgrpo.data.prompts import encode_prompts
 from vlgrpo.demo.fit import fit
 from vlgrpo.demo.perception import region_targets
 from vlgrpo.demo.processor import EOS_TOKEN

@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from vlgrpo import atomic
 from vlgrpo.report import analysis as A
 from vlgrpo.report.html import SampleColumn, render_html
 from vlgrpo.report.narrative import narrative
@@ -16,13 +17,6 @@ from vlgrpo.report.records import Record, merge_records
 REPORT_HTML = "report.html"
 SUMMARY_JSON = "summary.json"
 SAMPLE_LABELS = {"first": "start", "formatted": "first all well formatted", "final": "final"}
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary name and rename, so a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def sample_columns(frame) -> list[SampleColumn]:
@@ -79,7 +73,7 @@ def build_report(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, png in pngs.items():
-        write_atomic(out_dir / name, png)
-    write_atomic(out_dir / SUMMARY_JSON, (json.dumps(summary, indent=2, allow_nan=False) + "\n").encode())
-    write_atomic(out_dir / REPORT_HTML, page.encode())
+        atomic.write_bytes(out_dir / name, png)
+    atomic.write_text(out_dir / SUMMARY_JSON, json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    atomic.write_text(out_dir / REPORT_HTML, page)
     return summary

@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from vlgrpo.batch import PromptBatch
+from vlgrpo.data.images import processor_pixel_bounds
 from vlgrpo.errors import VlgrpoError
 from vlgrpo.rollout import Rollout, SamplingParams
 from vlgrpo.rollout.hf import banned_tokens, eos_ids, finish_rollout
@@ -96,7 +97,9 @@ class VLLMEngine:
         self.image_token = model.config.image_token_id
         rollout, data = cfg["worker"]["rollout"], cfg["data"]
         self.sleeps = model.device.type == "cuda"  # vLLM's sleep mode exists on CUDA (and ROCm, XPU) only
-        size = processor.image_processor.size
+        # the images arrive sized by vlgrpo.data.images.model_image_size; vLLM's processor snaps them with
+        # the same bounds as the hf processor, so it leaves them as they are (token counts checked in generate)
+        min_pixels, max_pixels = processor_pixel_bounds(processor)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: weights pushed by reference
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM cuts training's threads to 1
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -111,8 +114,8 @@ class VLLMEngine:
                 seed=cfg["seed"],
                 max_model_len=data["max_prompt_length"] + data["max_response_length"],
                 # as many images as fit in a prompt at min_pixels (784 pixels a token)
-                limit_mm_per_prompt={"image": max(1, data["max_prompt_length"] * 784 // size.shortest_edge), "video": 0},
-                mm_processor_kwargs={"min_pixels": size.shortest_edge, "max_pixels": size.longest_edge},
+                limit_mm_per_prompt={"image": max(1, data["max_prompt_length"] * 784 // min_pixels), "video": 0},
+                mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
                 gpu_memory_utilization=rollout["gpu_memory_utilization"],
                 tensor_parallel_size=rollout["tensor_parallel_size"],
                 # under torchrun each rank owns its engine (vLLM's external launcher); else vLLM's default

@@ -1,0 +1,322 @@
+"""The filter stage: every row rendered, sized and counted once, kept or dropped with a reason.
+
+`filter_split` writes a parquet of ready prompts (prompt text, sized PNG images, token count) and a
+stats JSON; `load_filtered` reads the parquet back for the trainer and the evaluator. A split that
+cannot feed training (fewer kept rows than one rollout batch; no row for validation) stops the stage
+with the top drop reasons and the first exception that dropped a row, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import traceback
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from transformers import ProcessorMixin
+
+from vlgrpo import atomic
+from vlgrpo.data.images import (
+    ResizeMismatchError,
+    check_image_grid,
+    decode_image,
+    image_tokens,
+    open_rgb,
+    png_struct,
+    processor_pixel_bounds,
+    resize_image,
+)
+from vlgrpo.data.prompts import IMAGE_PLACEHOLDER, count_prompt_tokens, format_template, render_prompt
+from vlgrpo.data.sources import load_processor, load_split
+from vlgrpo.errors import DataError
+
+log = logging.getLogger(__name__)
+
+# Why a row is dropped; a dropped row counts under the first check it fails.
+DROP_REASONS = (
+    "problem_empty",
+    "answer_empty",
+    "image_missing",
+    "no_image_placeholder",
+    "more_placeholders_than_images",
+    "fewer_placeholders_than_images",
+    "image_undecodable",
+    "image_size_unsupported",
+    "processor_error",
+    "prompt_too_long",
+)
+DROPPED_ROWS_LISTED = 20  # source indices listed per reason in the stats, to trace drops
+
+OUTPUT_FEATURES = datasets.Features(
+    {
+        "index": datasets.Value("int64"),
+        "images": datasets.List(datasets.Image()),
+        "problem": datasets.Value("string"),
+        "answer": datasets.Value("string"),
+        "prompt": datasets.Value("string"),
+        "prompt_length": datasets.Value("int64"),
+        "image_tokens": datasets.Value("int64"),
+    }
+)
+
+
+@dataclass(frozen=True)
+class _FilterSettings:
+    image_key: str
+    prompt_key: str
+    answer_key: str
+    template: str
+    min_pixels: int
+    max_pixels: int
+    processor_pixels: tuple[int, int]
+    max_prompt_length: int
+    drop_overlong: bool
+
+
+class _Dropped(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def _as_image_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSettings, verify: bool) -> dict[str, Any]:
+    """The kept output row for one source row, or raise _Dropped with the reason.
+
+    With `verify`, the prompt also goes through the full processor call that training makes, and
+    its token count and image grids must equal `count_prompt_tokens`' (else RuntimeError).
+    """
+    problem, answer = row[s.prompt_key], row[s.answer_key]
+    if not isinstance(problem, str) or not problem.strip():
+        raise _Dropped("problem_empty")
+    if answer is None or not str(answer).strip():
+        raise _Dropped("answer_empty")
+    raw_images = _as_image_list(row[s.image_key])
+    if not raw_images:
+        raise _Dropped("image_missing")
+    placeholders = problem.count(IMAGE_PLACEHOLDER)
+    if placeholders == 0:
+        raise _Dropped("no_image_placeholder")
+    if placeholders > len(raw_images):
+        raise _Dropped("more_placeholders_than_images", f"{placeholders} placeholders, {len(raw_images)} images")
+    if placeholders < len(raw_images):
+        raise _Dropped("fewer_placeholders_than_images", f"{placeholders} placeholders, {len(raw_images)} images")
+    images = []
+    for value in raw_images:
+        try:
+            image = decode_image(value)
+        except LookupError as e:
+            raise _Dropped("image_missing", str(e)) from e
+        except ValueError as e:
+            raise _Dropped("image_undecodable", str(e)) from e
+        try:
+            images.append(resize_image(image, s.min_pixels, s.max_pixels, s.processor_pixels))
+        except ValueError as e:
+            raise _Dropped("image_size_unsupported", str(e)) from e
+    prompt = render_prompt(processor, problem, s.template)
+    try:
+        prompt_length = count_prompt_tokens(processor, prompt, images)
+        full = processor(images=images, text=[prompt], add_special_tokens=False) if verify else None
+    except ResizeMismatchError:
+        raise  # a setup error, not a bad row
+    except Exception as e:  # a row the processor rejects must not stop the whole split
+        raise _Dropped("processor_error", f"{type(e).__name__}: {e}") from e
+    if full is not None:
+        check_image_grid(images, full["image_grid_thw"])
+        if len(full["input_ids"][0]) != prompt_length:
+            raise RuntimeError(f"counted {prompt_length} prompt tokens, the processor made {len(full['input_ids'][0])}")
+    if s.drop_overlong and prompt_length > s.max_prompt_length:
+        raise _Dropped("prompt_too_long", f"{prompt_length} > {s.max_prompt_length} tokens")
+    return {
+        "images": [png_struct(im) for im in images],
+        "problem": problem,
+        "answer": str(answer),
+        "prompt": prompt,
+        "prompt_length": prompt_length,
+        "image_tokens": sum(image_tokens(im) for im in images),
+    }
+
+
+# State for worker processes, set in the parent before forking so that children inherit the
+# processor (building its tokenizer takes seconds) and the memory-mapped dataset.
+_WORKER_STATE: dict[str, Any] = {}
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one process per core; also keeps OpenMP out of the forked child
+
+
+def _filter_range(bounds: tuple[int, int]) -> list[tuple[int, dict | None, str | None, str, str]]:
+    """(source index, kept row or None, drop reason or None, detail, traceback of the exception
+    that dropped the row or "") for rows [start, stop)."""
+    ds, processor, settings = _WORKER_STATE["ds"], _WORKER_STATE["processor"], _WORKER_STATE["settings"]
+    start, stop = bounds
+    rows = ds.with_format("arrow")[start:stop].to_pylist()  # raw image structs: we decode ourselves
+    out = []
+    for index, row in enumerate(rows, start):
+        try:
+            # The first row of each range is checked against the full processor call.
+            out.append((index, _prepare_row(row, processor, settings, verify=index == start), None, "", ""))
+        except _Dropped as d:
+            trace = "".join(traceback.format_exception(d.__cause__)).rstrip() if d.__cause__ else ""
+            out.append((index, None, d.reason, str(d), trace))
+    return out
+
+
+def _default_workers() -> int:
+    """The CPUs this process may use, at most 16 (more gains little: the parent writes the output)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cpus, 16)
+
+
+def _filter_rows(ds: datasets.Dataset, processor: ProcessorMixin, settings: _FilterSettings, workers: int, chunk: int = 32):
+    """Yield `_filter_range` results for all rows in source order, on `workers` forked processes."""
+    ranges = [(i, min(i + chunk, len(ds))) for i in range(0, len(ds), chunk)]
+    _WORKER_STATE.update(ds=ds, processor=processor, settings=settings)
+    try:
+        workers = min(workers, len(ranges))
+        if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+            for bounds in ranges:
+                yield from _filter_range(bounds)
+            return
+        with multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker) as pool:
+            for results in pool.imap(_filter_range, ranges):
+                yield from results
+    finally:
+        _WORKER_STATE.clear()
+
+
+def token_stats(lengths: list[int]) -> dict[str, float]:
+    """min, mean, p50, p95, max of token counts (linear-interpolated percentiles)."""
+    a = np.asarray(lengths, dtype=np.float64)
+    return {
+        "min": int(a.min()),
+        "mean": float(a.mean()),
+        "p50": float(np.percentile(a, 50)),
+        "p95": float(np.percentile(a, 95)),
+        "max": int(a.max()),
+    }
+
+
+def filter_split(
+    cfg: dict, split: str, out_parquet: str | os.PathLike, out_stats: str | os.PathLike, workers: int | None = None
+) -> dict:
+    """Filter cfg["data"][split] ('train' or 'val') into a parquet of ready prompts and a stats JSON.
+
+    Each row is rendered exactly as training will render it, its images sized once
+    (`images.model_image_size`), and its prompt counted in tokens (image tokens included) through
+    the processor (`count_prompt_tokens`, checked against the full processor call on the first row
+    of every 32). Rows are dropped with a reason (DROP_REASONS) instead of failing. Output columns:
+    index (row in the source), images (sized, PNG, list<struct<bytes, path>>), problem, answer,
+    prompt, prompt_length, image_tokens. Both files are written atomically. `workers` processes
+    (default: the CPUs available, at most 16) share the rows. Returns the stats dict written to
+    `out_stats`.
+
+    Raises DataError, writing nothing, when the split keeps fewer rows than it needs (one rollout
+    batch, worker.rollout.batch_size, for train; one row for val): the message gives the counts, the
+    top drop reasons and the first exception that dropped a row, with its traceback.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    data = cfg["data"]
+    batch_size = cfg["worker"]["rollout"]["batch_size"]
+    # Fail on a bad model, template or source before any per-row work.
+    processor = load_processor(cfg["model"]["path"])
+    settings = _FilterSettings(
+        image_key=data["image_key"],
+        prompt_key=data["prompt_key"],
+        answer_key=data["answer_key"],
+        template=data["format_prompt"],
+        min_pixels=data["min_pixels"],
+        max_pixels=data["max_pixels"],
+        processor_pixels=processor_pixel_bounds(processor),
+        max_prompt_length=data["max_prompt_length"],
+        drop_overlong=data["filter_overlong_prompts"],
+    )
+    format_template(settings.template)
+    ds = load_split(data[split], settings.image_key, settings.prompt_key, settings.answer_key)
+
+    kept: list[dict[str, Any]] = []
+    dropped: Counter[str] = Counter()
+    dropped_rows: dict[str, list[int]] = {}
+    first_error = ""
+    for index, row, reason, detail, trace in _filter_rows(ds, processor, settings, workers or _default_workers()):
+        if row is None:
+            dropped[reason] += 1
+            listed = dropped_rows.setdefault(reason, [])
+            if len(listed) < DROPPED_ROWS_LISTED:
+                listed.append(index)
+            if trace and not first_error:
+                first_error = f"row {index} ({reason}):\n{trace}"
+            log.debug("%s row %d dropped: %s", data[split], index, detail)
+        else:
+            kept.append({"index": index, **row})
+    needed = batch_size if split == "train" else 1
+    if len(kept) < needed:
+        need = f"one rollout batch of {batch_size} (worker.rollout.batch_size)" if split == "train" else "1 row"
+        top = ", ".join(f"{reason} {n} (rows {dropped_rows[reason][:5]})" for reason, n in dropped.most_common(3))
+        raise DataError(
+            f"{data[split]!r} ({split}): {len(kept)} of {len(ds)} rows kept, fewer than {need}; "
+            f"top drop reasons: {top or 'none'}" + (f"; the first exception, {first_error}" if first_error else "")
+        )
+
+    stats = {
+        "source": data[split],
+        "rows_in": len(ds),
+        "rows_kept": len(kept),
+        "dropped": {reason: dropped[reason] for reason in DROP_REASONS},
+        "dropped_rows": dropped_rows,
+        "prompt_length": token_stats([r["prompt_length"] for r in kept]),
+        "image_tokens": token_stats([r["image_tokens"] for r in kept]),
+        "max_prompt_length": settings.max_prompt_length,
+        "rollout_batch_size": batch_size,
+        "steps_per_epoch": len(kept) // batch_size,  # drop_last
+    }
+    table = pa.Table.from_pylist(kept, schema=OUTPUT_FEATURES.arrow_schema)
+    with atomic.replacing(out_parquet) as tmp:
+        pq.write_table(table, tmp)
+    atomic.write_text(out_stats, json.dumps(stats, indent=2) + "\n")
+    log.info("%s: kept %d of %d rows, %d steps per epoch", data[split], len(kept), len(ds), stats["steps_per_epoch"])
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the filtered split
+
+
+FILTERED_COLUMNS = ("index", "images", "problem", "answer", "prompt")
+
+
+def load_filtered(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Rows of a parquet written by `filter_split`: index, prompt, images (PIL RGB), answer, problem.
+
+    Images are opened lazily: each is decoded on first use.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"filtered data not found: {path} (run the filter_data stage)")
+    table = pq.read_table(path)
+    missing = [c for c in FILTERED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise DataError(f"{path}: missing column(s) {missing}; not written by filter_split?")
+    rows = table.select(list(FILTERED_COLUMNS)).to_pylist()
+    for row in rows:
+        row["images"] = [open_rgb(image["bytes"]) for image in row["images"]]
+    return rows
+

@@ -1,0 +1,127 @@
+"""Prompts as EasyR1 renders them: format template, chat template, token counts, model inputs.
+
+EasyR1 (verl/utils/dataset.py, RLHFDataset) renders the stripped Jinja format prompt with the
+problem as `content`, splits the text on "<image>" into image and text content parts of one user
+turn, and applies the processor's chat template with the generation prompt (the template's default
+system turn included); the processor then expands each image placeholder to the image's tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.meta
+import torch
+from PIL import Image
+from transformers import BatchFeature, ProcessorMixin
+
+from vlgrpo.data.images import ResizeMismatchError, check_image_grid, decode_images, image_tokens
+from vlgrpo.errors import DataError
+
+IMAGE_PLACEHOLDER = "<image>"
+TEMPLATE_DIR = Path(__file__).parents[1] / "templates"
+
+
+@functools.lru_cache(maxsize=16)
+def format_template(template: str) -> jinja2.Template:
+    """Compiled format template: a built-in name (templates/<name>.jinja) or a .jinja file path.
+
+    Raises DataError for an unknown name, a syntax error, or a template that drops `content`.
+    """
+    names = sorted(p.stem for p in TEMPLATE_DIR.glob("*.jinja"))
+    path = TEMPLATE_DIR / f"{template}.jinja" if template in names else Path(template).expanduser()
+    if not path.is_file():
+        raise DataError(f"format prompt {template!r}: not one of {names} and no such .jinja file")
+    # EasyR1 strips the template text, so a trailing newline in the file does not reach the prompt.
+    source = path.read_text(encoding="utf-8").strip()
+    env = jinja2.Environment()
+    try:
+        variables = jinja2.meta.find_undeclared_variables(env.parse(source))
+    except jinja2.TemplateSyntaxError as e:
+        raise DataError(f"format prompt {path}: Jinja syntax error on line {e.lineno}: {e.message}") from e
+    if "content" not in variables:
+        raise DataError(f"format prompt {path} never uses {{{{ content }}}}, so the problem would be lost")
+    return env.from_string(source)
+
+
+def format_prompt(problem: str, template: str) -> str:
+    """The problem wrapped in the format template ('r1v', 'math', or a .jinja path) as `content`."""
+    return format_template(template).render(content=problem)
+
+
+def chat_messages(prompt: str) -> list[dict[str, Any]]:
+    """One user turn whose content alternates text and image parts where "<image>" stood."""
+    parts: list[dict[str, Any]] = []
+    for i, text in enumerate(prompt.split(IMAGE_PLACEHOLDER)):
+        if i:
+            parts.append({"type": "image"})
+        if text:
+            parts.append({"type": "text", "text": text})
+    return [{"role": "user", "content": parts}]
+
+
+def render_prompt(processor: ProcessorMixin, problem: str, template: str) -> str:
+    """The chat-template text the model is prompted with (the template's default system turn,
+    the user turn with vision placeholders, then the assistant generation prompt)."""
+    messages = chat_messages(format_prompt(problem, template))
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def count_prompt_tokens(processor: ProcessorMixin, prompt: str, images: list[Image.Image]) -> int:
+    """Tokens of `prompt` once the processor expands its image placeholders, without pixel work.
+
+    The processor replaces each <|image_pad|> with one token per 2x2 patch group of its image; the
+    tokenizer and the image processor's own patch count give the same total (the filter checks this
+    against a full processor call on a sample of rows). Raises ResizeMismatchError if the processor
+    would resize an image, ValueError if placeholders and images disagree.
+    """
+    image_processor = processor.image_processor
+    ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    placeholders = ids.count(processor.image_token_id)
+    if placeholders != len(images):
+        raise ValueError(f"{placeholders} image placeholders in the prompt for {len(images)} images")
+    per_image = [
+        image_processor.get_number_of_image_patches(im.height, im.width, {}) // image_processor.merge_size**2
+        for im in images
+    ]
+    expected = [image_tokens(im) for im in images]
+    if per_image != expected:
+        raise ResizeMismatchError(
+            f"the processor would resize images (tokens {per_image}, expected {expected}): its pixel "
+            "bounds differ from the ones the images were sized with"
+        )
+    return len(ids) - placeholders + sum(per_image)
+
+
+def encode_prompts(
+    processor: ProcessorMixin, rows: list[dict[str, Any]], device: str | torch.device | None = None
+) -> BatchFeature:
+    """Left-padded model inputs for a batch of filtered rows (B rows, L = longest prompt).
+
+    Returns input_ids and attention_mask (B, L), pixel_values (sum of h*w/196 patches, 1176),
+    image_grid_thw (n_images, 3), and mm_token_type_ids (B, L) where the processor makes them.
+    device: where the image processor normalizes and patchifies the images (its torchvision
+    backend moves each uint8 image there first): pixel_values come back on it, everything else
+    stays on the CPU for host code (PromptBatch row slicing, the rope index). None: the CPU, as
+    the processor does by default (identical tensors to device="cpu").
+    Raises ResizeMismatchError if the processor would resize an image (its pixel bounds differ from
+    the ones the filter used).
+    """
+    if not rows:
+        raise ValueError("encode_prompts needs at least one row")
+    images = [row["images"] for row in rows]
+    decode_images([im for row_images in images for im in row_images])
+    inputs = processor(
+        text=[row["prompt"] for row in rows],
+        images=images,
+        padding=True,
+        padding_side="left",
+        add_special_tokens=False,
+        return_tensors="pt",
+        **({} if device is None else {"device": device}),
+    )
+    check_image_grid([im for row_images in images for im in row_images], inputs["image_grid_thw"])
+    return inputs

@@ -1,0 +1,130 @@
+"""The checkpoint store on small modules: exact round trip of weights, optimizer state (also extra
+per-parameter tensors) and RNG; truncated or corrupted checkpoints refused at load, the previous used."""
+
+import json
+
+import pytest
+import torch
+
+from vlgrpo.checkpoint import CheckpointError, CheckpointStore
+
+
+class KahanAdamW(torch.optim.AdamW):
+    """AdamW with an extra bf16 tensor per parameter in its state (as a compensated optimizer keeps)."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["compensation"] = state.get("compensation", torch.zeros_like(p, dtype=torch.bfloat16)) + 0.5
+        return loss
+
+
+def model_and_optimizer(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 50))
+    model[3].weight = model[0].weight  # tied, as Qwen2.5-VL-3B's lm_head
+    return model, KahanAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95))
+
+
+def train(model, optimizer, steps):
+    for _ in range(steps):
+        tokens = torch.randint(0, 50, (4, 8))
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def snapshot(model, optimizer):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in optimizer.state_dict()["state"].items()},
+            torch.get_rng_state())
+
+
+def assert_same(a, b):
+    (wa, sa, ra), (wb, sb, rb) = a, b
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].keys() == sb[k].keys()
+        for n in sa[k]:
+            assert torch.equal(sa[k][n], sb[k][n]) if torch.is_tensor(sa[k][n]) else sa[k][n] == sb[k][n], (k, n)
+    assert torch.equal(ra, rb)
+
+
+@pytest.fixture
+def store_with_two(tmp_path):
+    """Checkpoints 5 and 10 of one run, and the snapshots they hold."""
+    store = CheckpointStore(tmp_path / "checkpoints", threads=3)
+    model, optimizer = model_and_optimizer()
+    snaps = {}
+    for step in (5, 10):
+        train(model, optimizer, 5)
+        store.save(step, model, optimizer, None, {"config_hash": "x"})
+        snaps[step] = snapshot(model, optimizer)
+    return store, snaps
+
+
+def restored(store):
+    model, optimizer = model_and_optimizer(seed=1)  # other weights: all must come from the checkpoint
+    step, state = store.restore(model, optimizer)
+    return step, state, model, optimizer
+
+
+def test_round_trip_is_exact_and_training_continues_identically(store_with_two):
+    store, snaps = store_with_two
+    step, state, model, optimizer = restored(store)
+    assert step == 10 and state == {"config_hash": "x", "step": 10}
+    assert_same(snapshot(model, optimizer), snaps[10])
+    assert model[3].weight is model[0].weight  # the tie survives
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+    files = json.loads((store.path(10) / "manifest.json").read_text())
+    assert len([f for f in files if f.startswith("optim/optim-")]) == 3  # one file per writer thread
+    # The same next steps from the checkpoint as from the live objects.
+    live_model, live_opt = model_and_optimizer()
+    CheckpointStore(store.root).load(10, live_model, live_opt)
+    train(model, optimizer, 2)
+    torch.set_rng_state(snaps[10][2])
+    train(live_model, live_opt, 2)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), live_model.state_dict().values()))
+
+
+def largest_file(store, step):
+    return max((p for p in store.path(step).rglob("*.safetensors")), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_checkpoint_is_refused_and_the_previous_used(store_with_two, damage, caplog):
+    store, snaps = store_with_two
+    path = largest_file(store, 10)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) * 2 // 3] ^= 0x01  # one bit of one tensor
+        path.write_bytes(bytes(data))
+    assert store.verify(10) is not None and store.verify(5) is None
+    step, _, model, optimizer = restored(store)
+    assert step == 5
+    assert_same(snapshot(model, optimizer), snaps[5])
+    reason = "truncated" if damage == "truncate" else "does not match its checksum"
+    assert any(reason in r.getMessage() and "refusing checkpoint 10" in r.getMessage() for r in caplog.records)
+    assert store.latest() == (5 if damage == "truncate" else 10)  # sizes are checked cheaply, bytes at load
+
+
+def test_no_intact_checkpoint_is_an_error(store_with_two):
+    store, _ = store_with_two
+    for step in (5, 10):
+        path = largest_file(store, step)
+        path.write_bytes(path.read_bytes()[:-1] + b"\0")
+    with pytest.raises(CheckpointError, match="no checkpoint .* loads intact"):
+        restored(store)
+
+
+def test_a_checkpoint_of_another_model_is_refused(store_with_two):
+    store, _ = store_with_two
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8))
+    with pytest.raises(CheckpointError, match="the model has|does not have|names no parameter"):
+        store.load(10, model, torch.optim.AdamW(model.parameters()))

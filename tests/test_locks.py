@@ -1,0 +1,75 @@
+"""`vlgrpo unlock-stale` releases a lock only when its Snakemake ran on this host and is gone."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vlgrpo import locks
+
+
+@pytest.fixture
+def locked(tmp_path):
+    """A Snakemake directory with a lock, as a run leaves it when it is killed."""
+    root = tmp_path / ".snakemake"
+    (root / "locks").mkdir(parents=True)
+    (root / "locks" / "0.output.lock").write_text("results/x\n")
+    return root
+
+
+def owned_by(root, **changes):
+    """Record a finished process as the lock's owner, with `changes` to its identity."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    locks.record_owner(root, pid=child.pid)
+    child.wait()
+    owner = json.loads((root / locks.OWNER).read_text())
+    (root / locks.OWNER).write_text(json.dumps({**owner, **changes}))
+    return owner
+
+
+def test_the_lock_of_a_process_gone_from_this_host_is_released(locked):
+    owner = owned_by(locked)
+    assert f"process {owner['pid']}" in locks.release_stale(locked)
+    assert not (locked / "locks").exists() and not (locked / locks.OWNER).exists()
+    assert locks.release_stale(locked).startswith("no lock")
+
+
+def test_the_lock_of_a_run_before_a_reboot_is_released(locked):
+    owned_by(locked, boot_id="another-boot")
+    assert "restarted" in locks.release_stale(locked)
+    assert not (locked / "locks").exists()
+
+
+def test_a_lock_taken_on_another_host_is_kept(locked):
+    owned_by(locked, host="node-17")
+    with pytest.raises(locks.StaleLockError, match="on host node-17.*snakemake --unlock"):
+        locks.release_stale(locked)
+    assert (locked / "locks" / "0.output.lock").is_file()
+
+
+def test_the_lock_of_a_live_process_is_kept(locked):
+    locks.record_owner(locked)  # this process
+    with pytest.raises(locks.StaleLockError, match="still running"):
+        locks.release_stale(locked)
+    assert (locked / "locks" / "0.output.lock").is_file()
+
+
+def test_a_reused_pid_is_not_the_owner(locked):
+    owner = owned_by(locked)
+    (locked / locks.OWNER).write_text(json.dumps({**owner, "pid": os.getpid()}))  # alive, started earlier
+    assert "has exited" in locks.release_stale(locked)
+
+
+def test_an_unrecorded_owner_is_refused(locked):
+    with pytest.raises(locks.StaleLockError, match="not recorded.*snakemake --unlock"):
+        locks.release_stale(locked)
+    assert (locked / "locks").is_dir()
+
+
+def test_the_command(locked):
+    owned_by(locked, host="node-17")
+    out = subprocess.run([sys.executable, "-m", "vlgrpo.cli", "unlock-stale", "--directory", str(locked.parent)],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "node-17" in out.stderr

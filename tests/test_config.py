@@ -94,9 +94,6 @@ def test_an_auto_switch_at_its_plain_value_hashes_as_auto():
     [
         ({"trainer": {"n_gpus_per_node": 4}}, "'trainer.n_gpus_per_node' 4"),
         ({"trainer": {"nnodes": 2}}, "'trainer.nnodes' 2"),
-        ({"worker": {"rollout": {"engine": "vllm"}}}, "'worker.rollout.engine' vllm is not available yet; supported: auto, hf, static"),
-        ({"worker": {"rollout": {"tensor_parallel_size": 2}}}, "'worker.rollout.tensor_parallel_size' 2"),
-        ({"worker": {"rollout": {"gpu_memory_utilization": 0.5}}}, "'worker.rollout.gpu_memory_utilization' applies to the vllm engine"),
     ],
 )
 def test_keys_not_implemented_yet_are_refused_by_name(override, message):

@@ -36,10 +36,11 @@ class PromptBatch:
     image_grid_thw: torch.Tensor | None  # (num images, 3)
     num_images: torch.Tensor  # (N,) images of each row, in order; stays on the CPU
     prompt_ids: torch.Tensor  # (N,) the encoded prompt each row is a copy of (selects keep it); stays on the CPU
+    images: list[list] | None = None  # (N,) each row's PIL images, for engines that process them themselves (vllm)
 
     @classmethod
-    def from_processor(cls, enc, num_images: list[int]) -> "PromptBatch":
-        """Wrap the BatchFeature returned by a Qwen2.5-VL processor (left padding)."""
+    def from_processor(cls, enc, num_images: list[int], images: list[list] | None = None) -> "PromptBatch":
+        """Wrap the BatchFeature returned by a Qwen2.5-VL processor (left padding); images: the rows' images."""
         return cls(
             input_ids=enc["input_ids"],
             attention_mask=enc["attention_mask"],
@@ -48,6 +49,7 @@ class PromptBatch:
             image_grid_thw=enc.get("image_grid_thw"),
             num_images=torch.tensor(num_images, dtype=torch.long),
             prompt_ids=torch.arange(len(num_images)),
+            images=images,
         )
 
     def __len__(self) -> int:
@@ -91,6 +93,7 @@ class PromptBatch:
             image_grid_thw=image_grid_thw,
             num_images=self.num_images[rows],
             prompt_ids=self.prompt_ids[rows],
+            images=None if self.images is None else [self.images[r] for r in rows.tolist()],
         )
 
     def repeat_interleave(self, n: int) -> "PromptBatch":
@@ -99,11 +102,11 @@ class PromptBatch:
 
     def to(self, device, dtype: torch.dtype | None = None) -> "PromptBatch":
         """Move the model inputs to `device` (with to_device); pixel values also take the model's dtype.
-        The bookkeeping (num_images, prompt_ids) stays on the CPU, where select reads it."""
+        The bookkeeping (num_images, prompt_ids, images) stays on the CPU, where select reads it."""
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and f.name not in ("num_images", "prompt_ids"):
+            if value is not None and f.name not in ("num_images", "prompt_ids", "images"):
                 value = to_device(value, torch.device(device), dtype if f.name == "pixel_values" else None)
             moved[f.name] = value
         return replace(self, **moved)

@@ -154,26 +154,7 @@ def _refuse_multi_gpu(cfg: dict) -> None:
         )
 
 
-def _refuse_vllm_engine(cfg: dict) -> None:
-    if cfg["worker"]["rollout"]["engine"] == "vllm":
-        raise ConfigError("'worker.rollout.engine' vllm is not available yet; supported: auto, hf, static")
-
-
-def _refuse_vllm_settings(cfg: dict) -> None:
-    rollout = cfg["worker"]["rollout"]
-    if rollout["tensor_parallel_size"] != 1:
-        raise ConfigError(
-            f"'worker.rollout.tensor_parallel_size' {rollout['tensor_parallel_size']}: rollouts run on the "
-            "training device for now; only 1 is supported"
-        )
-    if "gpu_memory_utilization" in rollout:
-        raise ConfigError(
-            "'worker.rollout.gpu_memory_utilization' applies to the vllm engine, which is not available yet; "
-            "remove the key (the hf and static engines share the training process's memory)"
-        )
-
-
-_UNSUPPORTED = (_refuse_multi_gpu, _refuse_vllm_engine, _refuse_vllm_settings)
+_UNSUPPORTED = (_refuse_multi_gpu,)
 
 
 def _auto_keys(schema: dict, prefix: tuple = ()):

@@ -72,7 +72,7 @@ def evaluate(cfg: dict, step: int, model=None, in_process: bool = False) -> dict
     if model is None:
         model = load_model(model_path_for(cfg, step), cfg["model"], device, trainable=False)
     rollout = cfg["worker"]["rollout"]
-    engine = make_engine(rollout["engine"], model, processor, rollout["cuda_graph"])
+    engine = make_engine(rollout["engine"], model, processor, rollout["cuda_graph"], cfg)
 
     n = val["n"]
     params = SamplingParams(val["temperature"], val["top_p"], data["max_response_length"])

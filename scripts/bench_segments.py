@@ -136,7 +136,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--out", help="JSON file to write (required)")
     parser.add_argument("--cpu", action="store_true", help="the tiny demo model on the CPU")
     parser.add_argument("--workdir", default="/tmp/vlgrpo_bench_segments")
     parser.add_argument("--data", default=str(ROOT / ".benchdata"), help="what scripts/device_wheels.sh prepared")
@@ -147,6 +147,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.make_model:
         return make_random_model(Path(args.make_model[0]), Path(args.make_model[1]))
+    if not args.out:
+        parser.error("--out is required")
 
     work = Path(args.workdir).resolve()
     if not args.resume:

@@ -66,6 +66,6 @@ def test_unsupported_keys_stop_the_workflow_at_parse_time_naming_them(tmp_path):
     ok = snakemake(tmp_path, "-n", "--cores", "1", "--configfile", str(recipe))
     assert ok.returncode == 0, ok.stderr[-2000:]  # the seed recipe as it stands: one GPU
     for override, name in [("trainer={n_gpus_per_node: 4}", "'trainer.n_gpus_per_node' 4"),
-                           ("worker={rollout: {engine: vllm}}", "'worker.rollout.engine' vllm")]:
+                           ("trainer={nnodes: 2}", "'trainer.nnodes' 2")]:
         out = snakemake(tmp_path, "-n", "--cores", "1", "--configfile", str(recipe), "--config", override)
         assert out.returncode != 0 and name in out.stderr + out.stdout

@@ -54,11 +54,13 @@ def model_path_for(cfg: dict, step: int) -> str:
     return str(folder)
 
 
-def evaluate(cfg: dict, step: int, model=None, in_process: bool = False) -> dict:
+def evaluate(cfg: dict, step: int, model=None, engine=None, in_process: bool = False) -> dict:
     """Validate step `step`; write its JSON and JSONL; return the record.
 
     model: an in-memory model to validate instead of loading step's (the trainer's policy, the
-    benchmark's random weights). in_process: write the result aside for the evaluate rule to adopt.
+    benchmark's random weights); engine: a rollout engine of that model to generate with (the
+    trainer's: a vLLM engine holds its own weights and KV cache, a second one would double them).
+    in_process: write the result aside for the evaluate rule to adopt.
     """
     start = time.perf_counter()
     start_workers()  # the grading processes spawn and import while the model loads and generates
@@ -72,7 +74,7 @@ def evaluate(cfg: dict, step: int, model=None, in_process: bool = False) -> dict
     if model is None:
         model = load_model(model_path_for(cfg, step), cfg["model"], device, trainable=False)
     rollout = cfg["worker"]["rollout"]
-    engine = make_engine(rollout["engine"], model, processor, rollout["cuda_graph"], cfg)
+    engine = engine or make_engine(rollout["engine"], model, processor, rollout["cuda_graph"], cfg)
 
     n = val["n"]
     params = SamplingParams(val["temperature"], val["top_p"], data["max_response_length"])

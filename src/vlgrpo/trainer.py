@@ -181,7 +181,7 @@ class GRPOTrainer:
         aside for it to adopt); None if validation failed: the checkpoint stands, the rule validates it."""
         self.optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free for generation
         try:
-            return evaluate.evaluate(self.cfg, step, model=self.policy, in_process=True)
+            return evaluate.evaluate(self.cfg, step, model=self.policy, engine=self.engine, in_process=True)
         except Exception:
             log.exception("in-process validation of step %d failed; the evaluate rule will validate it", step)
             return None

@@ -79,6 +79,13 @@ def _repack_kept_cpu_weights(worker) -> None:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
+def kv_cache_bytes(text_config, dtype: torch.dtype, sequences: int, tokens: int) -> int:
+    """Bytes of keys and values for `sequences` sequences of `tokens` tokens each (all layers)."""
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    per_token = 2 * text_config.num_hidden_layers * text_config.num_key_value_heads * head_dim * dtype.itemsize
+    return sequences * tokens * per_token
+
+
 def _collapse_image_runs(ids: list[int], image_token: int) -> list[int]:
     """Prompt ids with each run of image placeholder tokens reduced to one (vLLM expands each image itself)."""
     return [t for i, t in enumerate(ids) if t != image_token or i == 0 or ids[i - 1] != image_token]
@@ -103,6 +110,13 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: weights pushed by reference
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM cuts training's threads to 1
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        max_model_len = data["max_prompt_length"] + data["max_response_length"]
+        # On a GPU vLLM takes gpu_memory_utilization of the device. On the CPU its fraction would count
+        # this process's training memory (which grows after the engine starts): the KV cache is sized
+        # for one rollout instead, every sequence at full length.
+        kv_bytes = None if self.sleeps else kv_cache_bytes(
+            model.config.get_text_config(), model.dtype, rollout["batch_size"] * rollout["n"], max_model_len
+        )
         try:
             self.llm = vllm.LLM(
                 model=path,
@@ -112,11 +126,12 @@ class VLLMEngine:
                 # whose weights the CPU backend repacks kept their random values).
                 load_format="auto",
                 seed=cfg["seed"],
-                max_model_len=data["max_prompt_length"] + data["max_response_length"],
+                max_model_len=max_model_len,
                 # as many images as fit in a prompt at min_pixels (784 pixels a token)
                 limit_mm_per_prompt={"image": max(1, data["max_prompt_length"] * 784 // min_pixels), "video": 0},
                 mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
                 gpu_memory_utilization=rollout["gpu_memory_utilization"],
+                kv_cache_memory_bytes=kv_bytes,
                 tensor_parallel_size=rollout["tensor_parallel_size"],
                 # under torchrun each rank owns its engine (vLLM's external launcher); else vLLM's default
                 distributed_executor_backend="external_launcher" if distributed else None,
@@ -128,12 +143,11 @@ class VLLMEngine:
             )
         except (ValueError, RuntimeError) as e:
             if "memory" in str(e).lower():
-                raise VLLMError(
-                    f"vLLM could not reserve its memory with worker.rollout.gpu_memory_utilization="
-                    f"{rollout['gpu_memory_utilization']} (the fraction of the device's memory vLLM may use in "
-                    f"all, weights and KV cache; on the CPU, of the memory node's, and this process's own memory "
-                    f"counts in it): {e}"
-                ) from e
+                wanted = (f"worker.rollout.gpu_memory_utilization={rollout['gpu_memory_utilization']} (the fraction "
+                          "of the GPU's memory vLLM may use in all, weights and KV cache)") if kv_bytes is None else (
+                          f"a KV cache of {kv_bytes / 2**30:.2f} GiB on the CPU (worker.rollout.batch_size x n sequences "
+                          "of max_prompt_length + max_response_length tokens)")
+                raise VLLMError(f"vLLM could not reserve its memory with {wanted}: {e}") from e
             raise
         if self.sleeps:
             self.llm.sleep(level=2)  # training has the memory until the first rollout

@@ -1,6 +1,7 @@
 """The vLLM rollout engine. Runs in the vLLM environment (envs/make_vllm_env.sh; .ci/run's vLLM step);
 in an environment without vLLM only the install hint is tested and the rest is skipped."""
 
+import copy
 import importlib.util
 import json
 import subprocess
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
@@ -110,6 +112,21 @@ def test_an_unsupported_architecture_is_named():
     model = SimpleNamespace(name_or_path="/models/x", config=SimpleNamespace(architectures=["NoSuchVLForCausalLM"]))
     with pytest.raises(VLLMError, match="NoSuchVLForCausalLM.*not supported by vLLM"):
         VLLMEngine(model, None, {})
+
+
+@needs_vllm
+def test_a_kv_cache_larger_than_memory_is_refused_with_its_size(trainer):
+    """On the CPU the KV cache holds one rollout; a rollout that cannot fit says how big it is and why."""
+    from vlgrpo.rollout.vllm import VLLMEngine, VLLMError, kv_cache_bytes
+
+    cfg = copy.deepcopy(trainer.cfg)
+    cfg["worker"]["rollout"]["batch_size"] = 10**6
+    data, n = cfg["data"], cfg["worker"]["rollout"]["n"]
+    wanted = kv_cache_bytes(trainer.policy.config.get_text_config(), trainer.policy.dtype, n * 10**6,
+                            data["max_prompt_length"] + data["max_response_length"])
+    assert wanted > psutil.virtual_memory().total
+    with pytest.raises(VLLMError, match=rf"KV cache of {wanted / 2**30:.2f} GiB on the CPU \(worker.rollout.batch_size x n"):
+        VLLMEngine(trainer.policy, trainer.processor, cfg)
 
 
 @needs_vllm

@@ -65,7 +65,7 @@ def overlay(args, work: Path) -> tuple[list[Path], dict]:
         files = [ROOT / "config.yaml"]
     else:
         data = Path(args.data).resolve()
-        model = work / "qwen2_5_vl_3b_random"
+        model = Path(args.model_dir).resolve() if args.model_dir else work / "qwen2_5_vl_3b_random"
         if not any(model.glob("*.safetensors")):
             shutil.rmtree(model, ignore_errors=True)
             subprocess.run([sys.executable, __file__, "--make-model", str(data / "qwen2_5_vl_3b"), str(model)], check=True)
@@ -141,6 +141,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--workdir", default="/tmp/vlgrpo_bench_segments")
     parser.add_argument("--data", default=str(ROOT / ".benchdata"), help="what scripts/device_wheels.sh prepared")
     parser.add_argument("--resume", action="store_true", help="keep --workdir and what was done in it")
+    parser.add_argument("--model-dir", help="where the random 3B model is made (default: in --workdir); e.g. on "
+                        "another disk when two checkpoints and the model do not fit on one")
     parser.add_argument("--segments", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="steps per segment")
     parser.add_argument("--make-model", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
@@ -175,7 +177,7 @@ def main(argv=None) -> dict:
         "config_files": [str(f) for f in files], "overlay": cfg,
         "segments": rows, "snakemake_wall_s": wall,
         "checkpoint_bytes": sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file()),
-        "disk": disk.strip(), "workdir": str(work),
+        "disk": disk.strip(), "workdir": str(work), "model_path": cfg["model"]["path"],
         "adopted_validations": [json.loads((exp / f"val/step_{e:06d}.json").read_text())["validated_in_process"] for e in ends],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

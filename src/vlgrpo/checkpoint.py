@@ -199,6 +199,18 @@ def model_tensors(model) -> dict[str, torch.Tensor]:
     return {k: v for k, v in get_model_state_dict(model, options=_options()).items() if k in unique}
 
 
+def tied_aliases(model) -> dict[str, str]:
+    """{alias: name} of parameters that are another's (lm_head.weight -> the embeddings): saved once."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
 def optimizer_state(model, optimizer) -> dict:
     """{"state": {param name: {key: value}}, "param_groups": [... "params": [param names]]}."""
     if dist.is_initialized():
@@ -375,6 +387,9 @@ class CheckpointStore:
             missing = set(model_targets) - read if not distributed else set()
             if missing:
                 raise CheckpointError(f"{self.path(step)} lacks {len(missing)} model tensors, e.g. {sorted(missing)[:3]}")
+            if distributed and _is_rank0():  # the full state dict names tied parameters under each name
+                model_targets.update({alias: model_targets[name] for alias, name in tied_aliases(model).items()
+                                      if name in model_targets})
         except CheckpointError as e:
             error = str(e)
         if distributed:  # rank 0 read the files: every rank refuses the checkpoint with it, or none does

@@ -75,13 +75,15 @@ def generate_and_grade(
     keys = torch.tensor([sample_key(*key_prefix, r["index"], j) for r in rows for j in range(n)])
     answers = [r["answer"] for r in rows for _ in range(n)]
     encoded = time.perf_counter()
+    model = getattr(engine, "model", None)  # gathered while it generates, if sharded (FSDP2)
     if distributed.world() == 1:
-        out = engine.generate(prompts, keys, params, batch_size=batch_size, progress=progress)
+        with distributed.gathered(model):
+            out = engine.generate(prompts, keys, params, batch_size=batch_size, progress=progress)
         generated = time.perf_counter()
         grading = Grading(reward_fn, out.texts, answers, lengths=out.lengths.tolist())
     else:  # every rank encoded the whole batch (same padding as one process), generates its share
         mine = [p * n + j for p in distributed.share(len(rows)) for j in range(n)]
-        with distributed.gathered(getattr(engine, "model", None)):
+        with distributed.gathered(model):
             local = engine.generate(prompts.select(mine), keys[mine], params, batch_size=batch_size, progress=progress)
         out = concat_rollouts(distributed.gather_objects(local), processor.tokenizer.pad_token_id)
         generated = time.perf_counter()

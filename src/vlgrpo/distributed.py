@@ -135,6 +135,8 @@ def padded(batches: list[list[int]], filler: list[int]) -> list[tuple[list[int],
 
 # --- FSDP2 --------------------------------------------------------------------------------------------
 def is_sharded(model) -> bool:
+    if not dist.is_initialized():  # one process: never sharded (and no FSDP import)
+        return False
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)

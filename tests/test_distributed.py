@@ -177,3 +177,21 @@ def test_a_rank_that_hangs_stalls_the_heartbeat_and_the_watchdog_kills_every_ran
     assert wrapper.returncode != 0 and "no progress" in err
     assert time.time() - stopped < 15 + 30
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in tree)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["adamw", "adamw_bf16"])
+def test_bf16_optimizers_step_on_the_shards(demo_base, tmp_path, strategy):
+    """A bf16 model (FSDP2 bf16 parameters, fp32 gradient reduction): fp32 master weights or Kahan
+    compensation step each rank's shard, and 2 steps on 2 processes end within bf16 rounding of 1."""
+    overrides = config.deep_merge(OVERRIDES, {"model": {"dtype": "bfloat16"}, "worker": {"actor": {"optim": {"strategy": strategy}}}})
+    one = make_experiment(demo_base, tmp_path / "one", overrides)
+    two = make_experiment(demo_base, tmp_path / "two", overrides)
+    train(one, 2, 1)
+    train(two, 2, 2)
+    a, b = weights(one, 2), weights(two, 2)
+    assert next(iter(b.values())).dtype == torch.bfloat16
+    for name in a:
+        assert torch.allclose(a[name].float(), b[name].float(), atol=1e-3, rtol=0), name
+    for ra, rb in zip(records(one), records(two)):
+        assert ra["reward/overall"] == rb["reward/overall"] and ra["response_length/mean"] == rb["response_length/mean"]

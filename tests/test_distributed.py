@@ -3,6 +3,7 @@ the same gradients, metrics and weights; checkpoints that resume on either count
 
 Each multi-process run is torchrun with 2 CPU processes, as a segment on 2 GPUs would run (nccl)."""
 
+import json
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import yaml
 
 from conftest import ROOT, make_experiment
 from test_resume import deterministic, weights
@@ -195,3 +197,27 @@ def test_bf16_optimizers_step_on_the_shards(demo_base, tmp_path, strategy):
         assert torch.allclose(a[name].float(), b[name].float(), atol=1e-3, rtol=0), name
     for ra, rb in zip(records(one), records(two)):
         assert ra["reward/overall"] == rb["reward/overall"] and ra["response_length/mean"] == rb["response_length/mean"]
+
+
+@pytest.mark.slow
+def test_bench_runs_the_fsdp2_path_under_torchrun_with_one_rank(demo_base, tmp_path):
+    """`vlgrpo bench` under torchrun (1 rank: the model sharded with FSDP2 over one process) computes
+    the step that the single-process bench computes: the GPU comparison of the two paths runs as is."""
+    cfg = yaml.safe_load((ROOT / "configs" / "bench_cpu.yaml").read_text())
+    cfg["model"]["path"] = demo_base["model"]["path"]
+    cfg["data"]["train"], cfg["data"]["val"] = demo_base["data"]["train"], demo_base["data"]["val"]
+    results = {}
+    for name, launch in (("single", [sys.executable]), ("torchrun", torchrun(1))):
+        cfg["results_dir"] = str(tmp_path / name)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        out = tmp_path / f"{name}.json"
+        done = subprocess.run([*launch, "-m", "vlgrpo.cli", "bench", "--config", str(path), "--out", str(out),
+                               "--warmup", "1", "--steps", "1", "--plain-steps", "1"], env=env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[name] = json.loads(out.read_text())
+    single, fsdp = results["single"], results["torchrun"]
+    assert fsdp["pg_loss"] == pytest.approx(single["pg_loss"], rel=1e-4, abs=1e-6)
+    assert fsdp["plain"]["pg_loss"] == pytest.approx(single["plain"]["pg_loss"], rel=1e-4, abs=1e-6)
+    assert fsdp["greedy_vs_hf"]["identical_rows"] == fsdp["greedy_vs_hf"]["rows"]
+    assert fsdp["eval"]["items"] == single["eval"]["items"] == 16

@@ -221,3 +221,17 @@ def test_bench_runs_the_fsdp2_path_under_torchrun_with_one_rank(demo_base, tmp_p
     assert fsdp["plain"]["pg_loss"] == pytest.approx(single["plain"]["pg_loss"], rel=1e-4, abs=1e-6)
     assert fsdp["greedy_vs_hf"]["identical_rows"] == fsdp["greedy_vs_hf"]["rows"]
     assert fsdp["eval"]["items"] == single["eval"]["items"] == 16
+
+
+def test_the_segment_command_is_torchrun_for_several_processes():
+    from vlgrpo.cli import trainer_command
+
+    base = {"experiment": "x", "trainer": {"n_gpus_per_node": 1, "nnodes": 1, "rdzv_endpoint": None}}
+    args = ["--config", "c.yaml", "--end-step", "5"]
+    assert trainer_command(base, args)[1:] == ["-m", "vlgrpo.trainer", *args]  # today's single process
+    one_node = trainer_command(config.deep_merge(base, {"trainer": {"n_gpus_per_node": 4}}), args)
+    assert one_node[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--max-restarts", "0",
+                            "-m", "vlgrpo.trainer", *args]
+    two_nodes = trainer_command(config.deep_merge(base, {"trainer": {"n_gpus_per_node": 8, "nnodes": 2, "rdzv_endpoint": "n1:29400"}}), args)
+    assert two_nodes[3:13] == ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400", "--rdzv-id", "x-5",
+                               "--nproc-per-node", "8"]

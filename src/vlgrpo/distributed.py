@@ -7,8 +7,9 @@ nothing here is initialised and every helper answers as for one process: rank 0 
 
 Policy and reference are sharded with FSDP2 (fully_shard): each vision block and decoder layer is a
 unit, the model the root (embeddings, lm_head tied to them, final norm, patch embedding, merger).
-Gradients are reduce-scattered as sums: the trainer normalises the loss by the whole mini-batch's
-token count across ranks, so the sum over ranks is the 1-process gradient.
+FSDP averages gradients over ranks; the trainer normalises each rank's loss by the whole mini-batch's
+token count and scales it by the world size, so the result is the sum over ranks: the 1-process
+gradient.
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ import types
 
 import torch
 import torch.distributed as dist
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def launched() -> bool:
     """True in a process that torchrun started (it sets WORLD_SIZE and the rendezvous variables)."""
@@ -57,11 +55,6 @@ def is_rank0() -> bool:
     return rank() == 0
 
 
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def share(count: int, r: int | None = None, w: int | None = None) -> range:
     """Rank r's contiguous share of `count` items (the first count % w ranks take one more)."""
     r, w = rank() if r is None else r, world() if w is None else w
@@ -79,12 +72,10 @@ def gather_objects(obj) -> list:
     return out
 
 
-def all_reduce(tensor: torch.Tensor, op=None) -> torch.Tensor:
-    """In place across ranks (SUM by default); a no-op for one process. CPU tensors go through the
-    backend's device under NCCL."""
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place across ranks; a no-op for one process. CPU tensors go through the GPU under NCCL."""
     if not dist.is_initialized():
         return tensor
-    op = dist.ReduceOp.SUM if op is None else op
     if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
         moved = tensor.cuda()
         dist.all_reduce(moved, op=op)
@@ -93,20 +84,12 @@ def all_reduce(tensor: torch.Tensor, op=None) -> torch.Tensor:
     return tensor
 
 
-def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
-    """Each value's maximum over ranks (per-rank peaks: memory)."""
+def over_ranks(values: dict[str, float], op=dist.ReduceOp.SUM) -> dict[str, float]:
+    """Each value reduced over ranks (SUM: metrics summed over the ranks' rows; MAX: per-rank peaks)."""
     if not dist.is_initialized() or not values:
         return values
     keys = sorted(values)
-    t = all_reduce(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64), dist.ReduceOp.MAX)
-    return dict(zip(keys, t.tolist()))
-
-
-def sum_over_ranks(values: dict[str, float]) -> dict[str, float]:
-    if not dist.is_initialized() or not values:
-        return values
-    keys = sorted(values)
-    t = all_reduce(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64))
+    t = all_reduce(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64), op)
     return dict(zip(keys, t.tolist()))
 
 
@@ -129,7 +112,7 @@ def padded(batches: list[list[int]], filler: list[int]) -> list[tuple[list[int],
     FSDP's all-gathers and reduce-scatters run once per forward and backward of each unit, so every
     rank must run as many forwards and backwards as every other."""
     count = torch.tensor([len(batches)], dtype=torch.int64)
-    most = int(all_reduce(count, dist.ReduceOp.MAX if dist.is_initialized() else None)[0])
+    most = int(all_reduce(count, dist.ReduceOp.MAX)[0])
     return [(b, True) for b in batches] + [(filler, False)] * (most - len(batches))
 
 
@@ -142,19 +125,20 @@ def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def shard(model, model_cfg: dict, device: torch.device, offload: bool = False):
+def shard(model, device: torch.device, offload: bool = False):
     """FSDP2 over the ranks: each vision block and decoder layer a unit, then the root.
 
     bf16 models keep bf16 parameters (the optimizers hold fp32 masters or Kahan compensation, as in
     one process) and reduce gradients in fp32. offload (trainer.fsdp_cpu_offload): sharded parameters,
-    gradients and optimizer state live in host memory (CUDA only; on the CPU they are there anyway). The model gains `root_call`, which runs a function of the
-    model inside the root's forward hooks (response_logprobs calls the inner model and lm_head
-    directly, not model.forward: the root's parameters must be gathered around both).
+    gradients and optimizer state live in host memory (CUDA only; on the CPU they are there anyway).
+    The model gains `root_call`, which runs a function of the model inside the root's forward hooks
+    (response_logprobs calls the inner model and lm_head directly, not model.forward: the root's
+    parameters must be gathered around both).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 
-    dtype = DTYPES[model_cfg["dtype"]]
+    dtype = next(model.parameters()).dtype  # model.dtype, as loaded
     mixed = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else MixedPrecisionPolicy()
     kwargs = {
         "mesh": init_device_mesh(device.type, (world(),)),
@@ -169,6 +153,9 @@ def shard(model, model_cfg: dict, device: torch.device, offload: bool = False):
     # FSDP takes the first unit to run forward for the root; generate runs the vision tower before the
     # model's forward, so the root is settled here (private API: there is no public one).
     model._get_fsdp_state()._lazy_init()
+    # FSDP keeps the root gathered after its forward by default; so kept through the step's no-grad
+    # forwards (generation, old and ref log-probs), the root's parameters got no gradients in the update
+    # (None on 2 gloo ranks). Resharded after each forward like every unit, it gathers afresh each time.
     model.set_reshard_after_forward(True, recurse=False)
     model.root_call = types.MethodType(lambda self, fn, *args, **kw: fn(self, *args, **kw), model)
     register_fsdp_forward_method(model, "root_call")

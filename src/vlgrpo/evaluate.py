@@ -66,7 +66,7 @@ def evaluate(cfg: dict, step: int, model=None, in_process: bool = False) -> dict
     start_workers()  # the grading processes spawn and import while the model loads and generates
     exp = config_lib.experiment_dir(cfg)
     data, val = cfg["data"], cfg["worker"]["rollout"]["val_override_config"]
-    device = model.device if model is not None else resolve_device(cfg["trainer"]["device"])
+    device = model.device if model is not None else resolve_device(cfg["trainer"]["device"])  # a rank: its own GPU
     cfg = config_lib.for_device(cfg, device)
     processor = load_processor(cfg["model"]["path"])
     rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))

@@ -20,8 +20,11 @@ Under torchrun (trainer.n_gpus_per_node x nnodes > 1; vlgrpo.distributed) every 
 generates for its share of the prompts (gathered, so rewards and advantages see the whole batch),
 computes old and ref log-probs and gradients for its rows of each mini-batch (split by token count),
 the loss normalised by the whole mini-batch's tokens; policy and reference are sharded with FSDP2.
-Only rank 0 writes metrics, W&B, checkpoints, validation files and the marker. Launch: `vlgrpo train --config results/<exp>/config.resolved.yaml
---end-step N` (the rule train_segment does this); it runs this module under a heartbeat watchdog.
+Only rank 0 writes metrics, W&B, checkpoints, validation files and the marker.
+
+Launch: `vlgrpo train --config results/<exp>/config.resolved.yaml --end-step N` (the rule
+train_segment does this); it runs this module (under torchrun for several processes) under a
+heartbeat watchdog.
 """
 
 from __future__ import annotations
@@ -148,7 +151,7 @@ class GRPOTrainer:
         base = load_pretrained(model_cfg["path"], model_cfg, self.device) if base is None else base
         algorithm = self.cfg["algorithm"]
         # Under torchrun (even with one rank: the path a GPU run compares with one process) both are sharded.
-        shard = (lambda m: distributed.shard(m, model_cfg, self.device, self.cfg["trainer"]["fsdp_cpu_offload"])) \
+        shard = (lambda m: distributed.shard(m, self.device, self.cfg["trainer"]["fsdp_cpu_offload"])) \
             if distributed.launched() else (lambda m: m)
         if algorithm["use_kl_loss"] and algorithm["kl_coef"] > 0:
             self.ref = shard(prepare_model(copy.deepcopy(base), model_cfg, self.device, trainable=False))
@@ -290,13 +293,14 @@ class GRPOTrainer:
                 metrics.actor_flops(self.policy.config.get_text_config(), seqlens), timing["update_actor"],
                 actor["ppo_epochs"], metrics.peak_tflops(self.device), world,
             ),
-            **distributed.max_over_ranks(metrics.memory_metrics(self.device)),  # the largest rank's
+            **distributed.over_ranks(metrics.memory_metrics(self.device), torch.distributed.ReduceOp.MAX),  # the largest rank's
         }
         record["actor/entropy_loss"] = grpo.entropy_from_logp(old_logp, out.response_mask.float()).item()
         if self.device.type == "cuda":
             allocator = torch.cuda.memory_stats()  # this step's: cudaMalloc calls, flush-and-retry events
-            record.update(distributed.max_over_ranks({"perf/cuda_malloc_calls": allocator.get("num_device_alloc", 0),
-                                                      "perf/cuda_alloc_retries": allocator.get("num_alloc_retries", 0)}))
+            record.update(distributed.over_ranks({"perf/cuda_malloc_calls": allocator.get("num_device_alloc", 0),
+                                                  "perf/cuda_alloc_retries": allocator.get("num_alloc_retries", 0)},
+                                                 torch.distributed.ReduceOp.MAX))
         return record
 
     def update_actor(self, step, prompts: PromptBatch, out, old_logp, ref_logp, advantages) -> dict:
@@ -379,7 +383,7 @@ class GRPOTrainer:
         if actor["old_logprobs_from_update"]:
             old_logp[:mini] = distributed.all_reduce(old_d[:mini].cpu())  # each rank filled its rows
         # Micro-batch metrics were normalised by the mini-batch: their sum (over ranks too) is the mini-batch value.
-        sums = distributed.sum_over_ranks({k: float(v) for k, v in sums.items()})  # one wait for the device, here
+        sums = distributed.over_ranks({k: float(v) for k, v in sums.items()})  # one wait for the device, here
         sums["grad_norm"] = norms  # already global
         record = {f"actor/{k}": v / updates for k, v in sums.items()}
         record.update({"actor/lr": lr, "actor/kl_coef": algorithm["kl_coef"] if ref_logp is not None else 0.0})

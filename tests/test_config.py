@@ -92,14 +92,20 @@ def test_an_auto_switch_at_its_plain_value_hashes_as_auto():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ({"trainer": {"n_gpus_per_node": 4}}, "'trainer.n_gpus_per_node' 4"),
-        ({"trainer": {"nnodes": 2}}, "'trainer.nnodes' 2"),
+        ({"trainer": {"n_gpus_per_node": 4}, "worker": {"rollout": {"engine": "vllm"}}}, "'worker.rollout.engine' vllm with 4 processes"),
+        ({"trainer": {"nnodes": 2}}, "'trainer.nnodes' 2 needs 'trainer.rdzv_endpoint'"),
     ],
 )
 def test_keys_not_implemented_yet_are_refused_by_name(override, message):
     with pytest.raises(config.ConfigError) as e:
         config.validate(config.deep_merge(MINIMAL, override))
     assert message in str(e.value)
+
+
+def test_many_processes_are_accepted():
+    cfg = config.validate(config.deep_merge(MINIMAL, {"trainer": {"n_gpus_per_node": 8, "nnodes": 2, "rdzv_endpoint": "node1:29400"}}))
+    assert config.processes(cfg) == 16
+    assert config.processes(config.validate(config.deep_merge(MINIMAL, {"trainer": {"n_gpus_per_node": 0}}))) == 1
 
 
 @pytest.mark.parametrize(

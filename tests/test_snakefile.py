@@ -65,7 +65,9 @@ def test_unsupported_keys_stop_the_workflow_at_parse_time_naming_them(tmp_path):
     recipe = ROOT / "configs" / "qwen2_5_vl_3b_geo3k.yaml"
     ok = snakemake(tmp_path, "-n", "--cores", "1", "--configfile", str(recipe))
     assert ok.returncode == 0, ok.stderr[-2000:]  # the seed recipe as it stands: one GPU
-    for override, name in [("trainer={n_gpus_per_node: 4}", "'trainer.n_gpus_per_node' 4"),
-                           ("trainer={nnodes: 2}", "'trainer.nnodes' 2")]:
-        out = snakemake(tmp_path, "-n", "--cores", "1", "--configfile", str(recipe), "--config", override)
+    many = snakemake(tmp_path, "-n", "--cores", "1", "--configfile", str(recipe), "--config", "trainer={n_gpus_per_node: 4}")
+    assert many.returncode == 0, many.stderr[-2000:]  # four GPUs: one torchrun job of 4 processes
+    for overrides, name in [(["trainer={nnodes: 2}"], "'trainer.nnodes' 2 needs 'trainer.rdzv_endpoint'"),
+                            (["trainer={n_gpus_per_node: 4}", "worker={rollout: {engine: vllm}}"], "'worker.rollout.engine' vllm")]:
+        out = snakemake(tmp_path, "-n", "--cores", "1", "--configfile", str(recipe), "--config", *overrides)
         assert out.returncode != 0 and name in out.stderr + out.stdout

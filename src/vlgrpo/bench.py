@@ -19,6 +19,7 @@ comparable between the paths.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import logging
@@ -32,7 +33,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from vlgrpo import config as config_lib
-from vlgrpo import evaluate, metrics, paths
+from vlgrpo import distributed, evaluate, metrics, paths
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.filtering import filter_split, load_filtered
 from vlgrpo.data.prompts import encode_prompts
@@ -177,8 +178,9 @@ def greedy_check(trainer: GRPOTrainer, prompts_count: int = 4, tokens: int = 64)
     enc = encode_prompts(trainer.processor, rows, trainer.device)  # as the step encodes them
     prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(2)
     keys, params = torch.arange(len(prompts)), SamplingParams(0.0, 1.0, tokens, ignore_eos=True)
-    fast = trainer.engine.generate(prompts, keys, params, batch_size=len(prompts)).responses
-    plain = make_engine("hf", trainer.policy, trainer.processor).generate(prompts, keys, params, batch_size=len(prompts)).responses
+    with distributed.gathered(trainer.policy):  # under torchrun the policy is sharded
+        fast = trainer.engine.generate(prompts, keys, params, batch_size=len(prompts)).responses
+        plain = make_engine("hf", trainer.policy, trainer.processor).generate(prompts, keys, params, batch_size=len(prompts)).responses
     same = fast == plain
     first = [int((~row).nonzero()[0]) if not row.all() else tokens for row in same]
     return {"rows": len(prompts), "tokens": tokens, "identical_rows": int(same.all(-1).sum()),
@@ -268,7 +270,8 @@ def main(argv=None) -> dict:
         out_path.write_text(json.dumps(result, indent=1) + "\n")
 
     trainer = GRPOTrainer(cfg)
-    trainer.load(0, base=model)
+    # Under torchrun the trainer shards the model it is given (in place): the plain path needs it whole.
+    trainer.load(0, base=copy.deepcopy(model) if distributed.launched() and args.plain_steps else model)
     first = args.warmup + 1
     for step in range(1, first):
         trainer.step(step)

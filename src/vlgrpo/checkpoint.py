@@ -199,6 +199,18 @@ def model_tensors(model) -> dict[str, torch.Tensor]:
     return {k: v for k, v in get_model_state_dict(model, options=_options()).items() if k in unique}
 
 
+def tied_aliases(model) -> dict[str, str]:
+    """{alias: name} of parameters that are another's (lm_head.weight -> the embeddings): saved once."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
 def optimizer_state(model, optimizer) -> dict:
     """{"state": {param name: {key: value}}, "param_groups": [... "params": [param names]]}."""
     if dist.is_initialized():
@@ -271,7 +283,9 @@ class CheckpointStore:
                 for key, value in values.items():
                     if torch.is_tensor(value):
                         tensors[f"state/{name}/{key}"] = value
-                        devices[f"state/{name}/{key}"] = "cpu" if value.device.type == "cpu" else "param"
+                        # Gathered state comes to the host (cpu_offload); per-parameter tensors belong with their parameter.
+                        on_param = value.device.type != "cpu" or (dist.is_initialized() and value.dim() > 0)
+                        devices[f"state/{name}/{key}"] = "param" if on_param else "cpu"
                     else:
                         scalars.setdefault(name, {})[key] = value
             atomic.write_json(tmp / "optim" / OPTIM_JSON, {"param_groups": osd["param_groups"], "scalars": scalars, "devices": devices})
@@ -355,7 +369,7 @@ class CheckpointStore:
                 param = params.get(name.split("/")[1]) if name.startswith("state/") else None
                 if name.startswith("state/") and param is None and not distributed:
                     raise CheckpointError(f"optimizer state {name} names no parameter of this model")
-                on_param = meta["devices"].get(name) == "param" and param is not None
+                on_param = meta["devices"].get(name) == "param" and param is not None and not distributed  # full state stays on the host
                 optim_tensors[name] = torch.empty(shape, dtype=dtype, device=param.device if on_param else "cpu")
                 return optim_tensors[name]
             if distributed:
@@ -366,11 +380,24 @@ class CheckpointStore:
 
         files = sorted((n for n in manifest if n.endswith(".safetensors")), key=lambda n: -manifest[n]["bytes"])
         files = [n for n in files if optimizer is not None or n.startswith("model/")] if _is_rank0() else []
-        with ThreadPoolExecutor(self.threads) as pool:
-            list(pool.map(lambda n: _read_file(self.path(step) / n, manifest[n], target), files))
-        missing = set(model_targets) - read
-        if missing:
-            raise CheckpointError(f"{self.path(step)} lacks {len(missing)} model tensors, e.g. {sorted(missing)[:3]}")
+        error = None
+        try:
+            with ThreadPoolExecutor(self.threads) as pool:
+                list(pool.map(lambda n: _read_file(self.path(step) / n, manifest[n], target), files))
+            missing = set(model_targets) - read if not distributed else set()
+            if missing:
+                raise CheckpointError(f"{self.path(step)} lacks {len(missing)} model tensors, e.g. {sorted(missing)[:3]}")
+            if distributed and _is_rank0():  # the full state dict names tied parameters under each name
+                model_targets.update({alias: model_targets[name] for alias, name in tied_aliases(model).items()
+                                      if name in model_targets})
+        except CheckpointError as e:
+            error = str(e)
+        if distributed:  # rank 0 read the files: every rank refuses the checkpoint with it, or none does
+            shared = [error]
+            dist.broadcast_object_list(shared, src=0)
+            error = shared[0]
+        if error is not None:
+            raise CheckpointError(error)
         if distributed:
             set_model_state_dict(model, model_targets, options=_options())
         if optimizer is not None:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -73,9 +74,37 @@ def cmd_evaluate(args) -> None:
     print(json.dumps({k: v for k, v in record.items() if k != "samples"}, indent=1))
 
 
+def trainer_command(cfg: dict, args: list[str]) -> list[str]:
+    """The segment's command: the trainer module, under torchrun when the segment has several processes
+    (trainer.n_gpus_per_node x nnodes). --max-restarts 0: one rank that dies fails the whole job, and
+    Snakemake's retry resumes it from the last checkpoint."""
+    trainer = cfg["trainer"]
+    if config_lib.processes(cfg) == 1:
+        return [sys.executable, "-m", "vlgrpo.trainer", *args]
+    nodes = ["--standalone"] if trainer["nnodes"] == 1 else [
+        "--nnodes", str(trainer["nnodes"]), "--rdzv-backend", "c10d", "--rdzv-endpoint", trainer["rdzv_endpoint"],
+        "--rdzv-id", f"{cfg['experiment']}-{args[args.index('--end-step') + 1]}",
+    ]
+    return [sys.executable, "-m", "torch.distributed.run", *nodes, "--nproc-per-node", str(max(1, trainer["n_gpus_per_node"])),
+            "--max-restarts", "0", "-m", "vlgrpo.trainer", *args]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun starts each rank in a session of its own)."""
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(procs, timeout=30)
+
+
 def cmd_train(args) -> None:
-    """Run one segment in a child process under a watchdog: a heartbeat older than
-    trainer.stall_timeout_s (a hung GPU, a deadlock) kills the child's process group and fails the
+    """Run one segment in a child process (torchrun and its ranks, with several processes) under a
+    watchdog: a heartbeat older than trainer.stall_timeout_s (a hung GPU, a deadlock, a rank that
+    hangs: rank 0 then waits at its next collective) kills the child's process tree and fails the
     job, so Snakemake's retry resumes from the last checkpoint."""
     cfg = config_lib.read_resolved(args.config)
     exp = config_lib.experiment_dir(cfg)
@@ -86,8 +115,8 @@ def cmd_train(args) -> None:
     timeout = cfg["trainer"]["stall_timeout_s"]
     started = psutil.Process().create_time()  # the segment's startup time counts from the job's start
     child = subprocess.Popen(
-        [sys.executable, "-m", "vlgrpo.trainer", "--config", str(args.config), "--end-step", str(args.end_step),
-         "--marker", str(marker), "--heartbeat", str(heartbeat)],
+        trainer_command(cfg, ["--config", str(args.config), "--end-step", str(args.end_step),
+                              "--marker", str(marker), "--heartbeat", str(heartbeat)]),
         start_new_session=True,
         env={**os.environ, "VLGRPO_JOB_START": str(started)},
     )
@@ -103,7 +132,7 @@ def cmd_train(args) -> None:
             seen, changed = mtime, time.monotonic()
         age = time.monotonic() - changed
         if child.poll() is None and age > timeout:
-            os.killpg(child.pid, signal.SIGKILL)
+            kill_tree(child.pid)
             child.wait()
             sys.exit(f"vlgrpo train: no progress for {age:.0f} s (trainer.stall_timeout_s={timeout}); killed the segment")
     if child.returncode != 0:

@@ -145,16 +145,23 @@ def validate(cfg: dict) -> dict:
 
 # Keys EasyR1 users know that this version cannot honour yet: each refused by its own check, to be
 # deleted by the change that implements it.
-def _refuse_multi_gpu(cfg: dict) -> None:
-    trainer = cfg["trainer"]
-    if trainer["n_gpus_per_node"] > 1 or trainer["nnodes"] > 1:
+def _refuse_unsupported_multi_process(cfg: dict) -> None:
+    trainer, rollout = cfg["trainer"], cfg["worker"]["rollout"]
+    if processes(cfg) > 1 and rollout["engine"] == "vllm":
         raise ConfigError(
-            f"'trainer.n_gpus_per_node' {trainer['n_gpus_per_node']} / 'trainer.nnodes' {trainer['nnodes']}: "
-            "training runs on one device for now; set n_gpus_per_node 1 (0 on a CPU) and nnodes 1"
+            f"'worker.rollout.engine' vllm with {processes(cfg)} processes ('trainer.n_gpus_per_node' x 'trainer.nnodes'): "
+            "the vLLM engine runs in one process for now; use engine hf or static"
         )
+    if trainer["nnodes"] > 1 and not trainer["rdzv_endpoint"]:
+        raise ConfigError(f"'trainer.nnodes' {trainer['nnodes']} needs 'trainer.rdzv_endpoint' (host:port where the nodes meet)")
 
 
-_UNSUPPORTED = (_refuse_multi_gpu,)
+_UNSUPPORTED = (_refuse_unsupported_multi_process,)
+
+
+def processes(cfg: dict) -> int:
+    """Training processes of one segment: n_gpus_per_node (at least 1) on each of nnodes nodes."""
+    return max(1, cfg["trainer"]["n_gpus_per_node"]) * cfg["trainer"]["nnodes"]
 
 
 def _auto_keys(schema: dict, prefix: tuple = ()):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from vlgrpo import config as config_lib
-from vlgrpo import atomic, metrics, paths, val_results
+from vlgrpo import atomic, distributed, metrics, paths, val_results
 from vlgrpo.checkpoint import CheckpointStore
 from vlgrpo.data.filtering import load_filtered
 from vlgrpo.data.sources import load_processor
@@ -61,12 +61,14 @@ def evaluate(cfg: dict, step: int, model=None, engine=None, in_process: bool = F
     benchmark's random weights); engine: a rollout engine of that model to generate with (the
     trainer's: a vLLM engine holds its own weights and KV cache, a second one would double them).
     in_process: write the result aside for the evaluate rule to adopt.
+    Called by every rank of a distributed segment: each generates for its share of the items
+    (generate_and_grade), rank 0 writes.
     """
     start = time.perf_counter()
     start_workers()  # the grading processes spawn and import while the model loads and generates
     exp = config_lib.experiment_dir(cfg)
     data, val = cfg["data"], cfg["worker"]["rollout"]["val_override_config"]
-    device = resolve_device(cfg["trainer"]["device"])
+    device = model.device if model is not None else resolve_device(cfg["trainer"]["device"])  # a rank: its own GPU
     cfg = config_lib.for_device(cfg, device)
     processor = load_processor(cfg["model"]["path"])
     rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))
@@ -126,8 +128,9 @@ def evaluate(cfg: dict, step: int, model=None, engine=None, in_process: bool = F
                 "length": int(out.lengths[k]), "truncated": bool(out.truncated[k]), **scores[k]}
         lines.append(json.dumps(line) + "\n")
     generations, val = (paths.GENERATIONS_IN_PROCESS, paths.VAL_IN_PROCESS) if in_process else (paths.GENERATIONS, paths.VAL)
-    atomic.write_lines(paths.path(generations, exp, step=step), lines)  # the record last: it says the pair is complete
-    atomic.write_json(paths.path(val, exp, step=step), record)
+    if distributed.is_rank0():  # every rank validated its share of the items; the gathered result is written once
+        atomic.write_lines(paths.path(generations, exp, step=step), lines)  # the record last: it says the pair is complete
+        atomic.write_json(paths.path(val, exp, step=step), record)
     return record
 
 

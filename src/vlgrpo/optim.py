@@ -37,6 +37,13 @@ CHUNK_NUMEL = 2**28  # elements per foreach launch group: bounds the step's temp
 STRATEGIES = ("adamw", "adamw_bf16")
 
 
+def _local(tensor):
+    """The local shard of a DTensor (FSDP2's parameters, gradients and state), in place; else the tensor.
+    The update is elementwise, so each rank steps its shard and no DTensor op (some have no sharding
+    rule: _foreach_copy_) runs."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def _chunks(params: list[torch.Tensor], max_numel: int) -> Iterator[list[torch.Tensor]]:
     """Consecutive runs of `params` holding at most max_numel elements (a bigger tensor runs alone)."""
     chunk, numel = [], 0
@@ -97,12 +104,13 @@ class _ForeachAdamW(torch.optim.Optimizer):
 
     def _update(self, group: dict, params: list[torch.Tensor]) -> None:
         beta1, beta2 = group["betas"]
-        states = [self.state[p] for p in params]
-        for state in states:
-            state["step"] += 1  # a float32 CPU scalar, as torch's AdamW keeps it
-        steps = [state["step"].item() for state in states]
+        for p in params:
+            self.state[p]["step"] += 1  # a float32 CPU scalar, as torch's AdamW keeps it
+        steps = [self.state[p]["step"].item() for p in params]
+        states = [{k: _local(v) for k, v in self.state[p].items()} for p in params]
+        grads, params = [_local(p.grad) for p in params], [_local(p) for p in params]
         exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-        grads = [p.grad if p.grad.dtype == m.dtype else p.grad.to(m.dtype) for p, m in zip(params, exp_avgs)]
+        grads = [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(grads, exp_avgs)]
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)  # m = b1 m + (1 - b1) g, one rounding
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)  # v = b2 v + (1 - b2) g^2

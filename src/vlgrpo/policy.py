@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, AutoModelForImageTextToText, DynamicCache
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
+from vlgrpo import distributed
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.config import ConfigError
 
@@ -338,8 +339,12 @@ def response_logprobs(
 
     prompts: N rows (left-padded, P columns); responses, response_mask: (N, R).
     Returns logp (N, R) float32, zero where the mask is 0. Only the R positions that predict a
-    response token go through the LM head.
+    response token go through the LM head. A sharded model runs it inside its root's forward hooks.
     """
+    return distributed.root_call(model, _response_logprobs, prompts, responses, response_mask, temperature, options)
+
+
+def _response_logprobs(model, prompts, responses, response_mask, temperature, options) -> torch.Tensor:
     device, full_width = model.device, responses.shape[1]
     width = int(response_mask.sum(-1).max())  # trailing all-padding columns are not computed
     responses, response_mask = to_device(responses[:, :width], device), to_device(response_mask[:, :width], device)

@@ -14,8 +14,17 @@ The algorithm as implemented, one step k (EasyR1's order and metric names):
      token count (token mode) so the sum is exactly the mini-batch token mean; clip the gradient norm;
      AdamW step, skipped (and counted) if the norm is not finite.
 A segment resumes from the store's latest checkpoint, runs steps up to its end step, saves a
-checkpoint and writes its marker last. Launch: `vlgrpo train --config results/<exp>/config.resolved.yaml
---end-step N` (the rule train_segment does this); it runs this module under a heartbeat watchdog.
+checkpoint and writes its marker last.
+
+Under torchrun (trainer.n_gpus_per_node x nnodes > 1; vlgrpo.distributed) every rank runs this: it
+generates for its share of the prompts (gathered, so rewards and advantages see the whole batch),
+computes old and ref log-probs and gradients for its rows of each mini-batch (split by token count),
+the loss normalised by the whole mini-batch's tokens; policy and reference are sharded with FSDP2.
+Only rank 0 writes metrics, W&B, checkpoints, validation files and the marker.
+
+Launch: `vlgrpo train --config results/<exp>/config.resolved.yaml --end-step N` (the rule
+train_segment does this); it runs this module (under torchrun for several processes) under a
+heartbeat watchdog.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vlgrpo import config as config_lib
-from vlgrpo import atomic, evaluate, grpo, metrics, paths, plan, val_results
+from vlgrpo import atomic, distributed, evaluate, grpo, metrics, paths, plan, val_results
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.checkpoint import CheckpointStore, apply_retention
 from vlgrpo.data.filtering import load_filtered
@@ -84,15 +93,18 @@ class Heartbeat:
 class Faults:
     """Fault injection for tests, from VLGRPO_FAULT="kind@step[,kind@step]" (kinds: kill, stall,
     nonfinite, kill_in_save). With VLGRPO_FAULT_ONCE=<file>, faults fire only while that file does
-    not exist, and the first one to fire creates it."""
+    not exist, and the first one to fire creates it. With VLGRPO_FAULT_RANK=r, only on rank r."""
 
     def __init__(self):
         spec = os.environ.get("VLGRPO_FAULT", "")
         self.at = {(kind, int(step)) for kind, step in (item.split("@") for item in spec.split(",") if item)}
         self.once = os.environ.get("VLGRPO_FAULT_ONCE")
+        self.rank = os.environ.get("VLGRPO_FAULT_RANK")
 
     def fires(self, kind: str, step: int) -> bool:
         if (kind, step) not in self.at or (self.once and Path(self.once).exists()):
+            return False
+        if self.rank is not None and int(self.rank) != distributed.rank():
             return False
         if self.once:
             Path(self.once).touch()
@@ -104,7 +116,7 @@ class Faults:
 
 class GRPOTrainer:
     def __init__(self, cfg: dict, heartbeat: Heartbeat | None = None):
-        self.device = resolve_device(cfg["trainer"]["device"])
+        self.device = distributed.init(resolve_device(cfg["trainer"]["device"]))
         self.cfg = cfg = config_lib.for_device(cfg, self.device)
         self.exp_dir = config_lib.experiment_dir(cfg)
         self.heartbeat = heartbeat or Heartbeat(None)
@@ -119,6 +131,7 @@ class GRPOTrainer:
         self.policy = self.ref = self.optimizer = self.engine = None
         self.forward = ForwardOptions.from_config(cfg)
         self.nonfinite_in_a_row = 0
+        self.parts: list[list[list[int]]] = []  # per mini-batch, each rank's rows (set each step)
 
     # --- data ------------------------------------------------------------------------------
     def batch_indices(self, step: int) -> list[int]:
@@ -137,9 +150,12 @@ class GRPOTrainer:
         model_cfg = self.cfg["model"]
         base = load_pretrained(model_cfg["path"], model_cfg, self.device) if base is None else base
         algorithm = self.cfg["algorithm"]
+        # Under torchrun (even with one rank: the path a GPU run compares with one process) both are sharded.
+        shard = (lambda m: distributed.shard(m, self.device, self.cfg["trainer"]["fsdp_cpu_offload"])) \
+            if distributed.launched() else (lambda m: m)
         if algorithm["use_kl_loss"] and algorithm["kl_coef"] > 0:
-            self.ref = prepare_model(copy.deepcopy(base), model_cfg, self.device, trainable=False)
-        self.policy = prepare_model(base, model_cfg, self.device, trainable=True)
+            self.ref = shard(prepare_model(copy.deepcopy(base), model_cfg, self.device, trainable=False))
+        self.policy = shard(prepare_model(base, model_cfg, self.device, trainable=True))
         self.optimizer = build_optimizer(self.cfg, self.policy)
 
     def _make_engine(self) -> None:
@@ -194,15 +210,22 @@ class GRPOTrainer:
         return micro_batches(prompts, mask, rows, micro, self.cfg["worker"]["actor"]["dynamic_batching"])
 
     def _logprobs(self, model, prompts: PromptBatch, responses, mask, micro: int, rows: list[int] | None = None) -> torch.Tensor:
-        """(N, R) float32 log-probs of the responses under `model` (no grad); only `rows` if given, zeros elsewhere."""
+        """(N, R) float32 log-probs of the responses under `model` (no grad); only `rows` if given, zeros elsewhere.
+
+        Several ranks: each computes its rows of the step's split (self.parts); the sum over ranks is the whole."""
         temperature = self.cfg["worker"]["rollout"]["temperature"]
+        rows = list(range(len(prompts))) if rows is None else rows
+        if distributed.world() > 1:
+            mine = {i for part in self.parts for i in part[distributed.rank()]}
+            rows = [i for i in rows if i in mine]
         out = torch.zeros(responses.shape, dtype=torch.float32, device=model.device)  # one copy back, at the end
         with torch.no_grad():
-            for batch in self._micro_batches(prompts, mask, list(range(len(prompts))) if rows is None else rows, micro):
+            for batch, real in distributed.padded(self._micro_batches(prompts, mask, rows, micro), [0]):
                 logp = response_logprobs(model, prompts.select(batch), responses[batch], mask[batch], temperature, self.forward)
-                out.index_copy_(0, to_device(torch.tensor(batch), out.device), logp)
+                if real:
+                    out.index_copy_(0, to_device(torch.tensor(batch), out.device), logp)
                 self.heartbeat.beat()
-        return out.cpu()
+        return distributed.all_reduce(out.cpu())
 
     def step(self, step: int) -> dict:
         cfg, rollout_cfg, actor = self.cfg, self.cfg["worker"]["rollout"], self.cfg["worker"]["actor"]
@@ -221,11 +244,17 @@ class GRPOTrainer:
             rollout_cfg["temperature"], rollout_cfg["top_p"], cfg["data"]["max_response_length"], rollout_cfg["ignore_eos"]
         )
         # Grading runs on other CPU cores while old and ref run; `reward` is the time the step waits for it.
+        if distributed.is_sharded(self.policy) and rollout_cfg["engine"] == "static":
+            self._make_engine()  # its captured graphs hold the addresses of the last gathering's weights
         prompts, out, grading, gen_timing = generate_and_grade(
             self.engine, self.processor, rows, n, (cfg["seed"], step), params, len(rows) * n, self.reward_fn, self.device
         )
         timing["gen"], reward_s = gen_timing["encode"] + gen_timing["generation"], gen_timing["grading"]
         self.heartbeat.beat()
+        seqlens = (out.lengths + prompts.attention_mask.sum(-1)).tolist()  # (N,) prompt + response tokens, batch order
+        mini = actor["global_batch_size"] * n
+        self.parts = [distributed.balanced_split(list(range(s, min(s + mini, len(prompts)))), seqlens, distributed.world())
+                      for s in range(0, len(prompts), mini)]
         micro = actor["micro_batch_size_per_device_for_experience"]
         with timer(timing, "old"):  # the update fills the rows it computes itself (old_logprobs_from_update)
             first = actor["global_batch_size"] * n if actor["old_logprobs_from_update"] else 0
@@ -245,9 +274,9 @@ class GRPOTrainer:
         timing["step"] = time.perf_counter() - step_start
 
         lengths, prompt_lengths = out.lengths, prompts.attention_mask.sum(-1)
-        seqlens = (lengths + prompt_lengths).tolist()  # (N,) prompt + response tokens, batch order
         response_tokens, total_tokens = int(lengths.sum()), sum(seqlens)
         world, groups = metrics.world_size(), overall.view(-1, n)
+        per_rank = [[i for part in self.parts for i in part[r]] for r in range(world)]  # the rows each rank updated
         record = {
             "step": step,
             **{f"reward/{k}": sum(s[k] for s in scores) / len(scores) for k in ("overall", "format", "accuracy")},
@@ -257,20 +286,21 @@ class GRPOTrainer:
             "critic/zero_adv_group_frac": (groups.max(1).values == groups.min(1).values).float().mean().item(),
             **metrics.length_metrics("response_length", lengths, cfg["data"]["max_response_length"]),
             **metrics.length_metrics("prompt_length", prompt_lengths, cfg["data"]["max_prompt_length"]),
-            **metrics.seqlen_metrics(seqlens, world=world),
+            **metrics.seqlen_metrics(seqlens, per_rank, world=world),
             **metrics.timing_metrics(timing, response_tokens, total_tokens),
             **metrics.throughput_metrics(total_tokens, timing["step"], world),
             "perf/mfu_actor": metrics.mfu(
                 metrics.actor_flops(self.policy.config.get_text_config(), seqlens), timing["update_actor"],
                 actor["ppo_epochs"], metrics.peak_tflops(self.device), world,
             ),
-            **metrics.memory_metrics(self.device),
+            **distributed.over_ranks(metrics.memory_metrics(self.device), torch.distributed.ReduceOp.MAX),  # the largest rank's
         }
         record["actor/entropy_loss"] = grpo.entropy_from_logp(old_logp, out.response_mask.float()).item()
         if self.device.type == "cuda":
             allocator = torch.cuda.memory_stats()  # this step's: cudaMalloc calls, flush-and-retry events
-            record["perf/cuda_malloc_calls"] = allocator.get("num_device_alloc", 0)
-            record["perf/cuda_alloc_retries"] = allocator.get("num_alloc_retries", 0)
+            record.update(distributed.over_ranks({"perf/cuda_malloc_calls": allocator.get("num_device_alloc", 0),
+                                                  "perf/cuda_alloc_retries": allocator.get("num_alloc_retries", 0)},
+                                                 torch.distributed.ReduceOp.MAX))
         return record
 
     def update_actor(self, step, prompts: PromptBatch, out, old_logp, ref_logp, advantages) -> dict:
@@ -278,6 +308,9 @@ class GRPOTrainer:
 
         With actor.old_logprobs_from_update, the first mini-batch of the first epoch takes its old
         log-probs from its own forward (the policy has not changed yet) and writes them into old_logp.
+        Several ranks: each runs its rows of each mini-batch (self.parts), as many micro-batches as the
+        others (zero-weight fillers); the loss is normalised by the whole mini-batch, so the sum of the
+        ranks' gradients is the mini-batch's (FSDP averages: the loss is scaled by the world size).
         """
         cfg, actor, algorithm = self.cfg, self.cfg["worker"]["actor"], self.cfg["algorithm"]
         temperature = cfg["worker"]["rollout"]["temperature"]
@@ -287,26 +320,29 @@ class GRPOTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        sums, updates, skipped = defaultdict(float), 0, 0
+        sums, updates, skipped, norms = defaultdict(float), 0, 0, 0.0
+        world, rank = distributed.world(), distributed.rank()
+        scale = float(world) if distributed.is_sharded(self.policy) else 1.0
         # The step's tensors go to the device once; metrics stay there until the end (no wait per micro-batch).
         dev = self.policy.device
         old_d, adv_d, mask_d = to_device(old_logp, dev), to_device(advantages, dev), to_device(out.response_mask, dev)
         ref_d = None if ref_logp is None else to_device(ref_logp, dev)
         self.policy.train()
         for epoch in range(actor["ppo_epochs"]):
-            for start in range(0, len(prompts), mini):
+            for index_mb, start in enumerate(range(0, len(prompts), mini)):
                 on_policy = actor["old_logprobs_from_update"] and epoch == 0 and start == 0
                 mini_rows = list(range(start, min(start + mini, len(prompts))))
                 mask = out.response_mask[mini_rows].float()
                 denominator = float(mask.sum()) if mode == "token" else float(len(mini_rows))
                 self.optimizer.zero_grad(set_to_none=True)
-                for rows in self._micro_batches(prompts, out.response_mask, mini_rows, micro):
+                mine = self.parts[index_mb][rank] if world > 1 else mini_rows
+                for rows, real in distributed.padded(self._micro_batches(prompts, out.response_mask, mine, micro), mini_rows[:1]):
                     logp = response_logprobs(
                         self.policy, prompts.select(rows), out.responses[rows], out.response_mask[rows], temperature, self.forward
                     )
                     index = to_device(torch.tensor(rows), dev)
                     rmask = mask_d.index_select(0, index).float()
-                    if on_policy:
+                    if on_policy and real:
                         old_d.index_copy_(0, index, logp.detach())
                     loss, metrics = grpo.policy_loss(
                         logp, old_d.index_select(0, index), adv_d.index_select(0, index), rmask,
@@ -321,12 +357,14 @@ class GRPOTrainer:
                         metrics["kl_loss"] = kl.detach()
                     if self.faults.fires("nonfinite", step):
                         loss = loss * float("nan")
-                    loss.backward()
+                    weight = 1.0 if real else 0.0  # a filler keeps the collectives in step and adds nothing
+                    (loss * (weight * scale)).backward()
                     for key, value in metrics.items():
-                        sums[key] = sums[key] + (value.detach().double() if torch.is_tensor(value) else float(value))
+                        sums[key] = sums[key] + weight * (value.detach().double() if torch.is_tensor(value) else float(value))
                     self.heartbeat.beat()
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, actor["max_grad_norm"]))
-                sums["grad_norm"] += grad_norm
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, actor["max_grad_norm"])
+                grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # the global norm
+                norms += grad_norm
                 updates += 1
                 if torch.isfinite(torch.tensor(grad_norm)):
                     self.optimizer.step()
@@ -343,9 +381,10 @@ class GRPOTrainer:
                         )
         self.policy.eval()
         if actor["old_logprobs_from_update"]:
-            old_logp[:mini] = old_d[:mini].cpu()
-        # Micro-batch metrics were normalised by the mini-batch: their sum is the mini-batch value.
-        sums = {k: float(v) for k, v in sums.items()}  # one wait for the device, here
+            old_logp[:mini] = distributed.all_reduce(old_d[:mini].cpu())  # each rank filled its rows
+        # Micro-batch metrics were normalised by the mini-batch: their sum (over ranks too) is the mini-batch value.
+        sums = distributed.over_ranks({k: float(v) for k, v in sums.items()})  # one wait for the device, here
+        sums["grad_norm"] = norms  # already global
         record = {f"actor/{k}": v / updates for k, v in sums.items()}
         record.update({"actor/lr": lr, "actor/kl_coef": algorithm["kl_coef"] if ref_logp is not None else 0.0})
         record["actor/nonfinite_skipped"] = skipped
@@ -363,6 +402,7 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
     job_start = float(os.environ.get("VLGRPO_JOB_START") or psutil.Process().create_time())
     times: dict[str, float] = {}
     trainer = GRPOTrainer(cfg, heartbeat)
+    rank0 = distributed.is_rank0()  # the only writer of metrics, W&B, retention and the marker
     if end_step > trainer.total_steps:
         raise ValueError(f"end step {end_step} is past the run's last step {trainer.total_steps}")
     start = trainer.store.latest() or 0
@@ -376,28 +416,33 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
                 f"checkpoint {trainer.store.path(start)} was made with a different training config; "
                 f"use a new experiment name, or delete {trainer.store.root} to start over"
             )
-        tracker = Tracker(cfg, trainer.exp_dir)
+        tracker = Tracker(cfg, trainer.exp_dir) if rank0 else None
         trainer.heartbeat.beat()
         with timer(times, "train"):
-            for step in tqdm(range(start + 1, end_step + 1), desc=f"segment to {end_step}", initial=start, total=end_step):
+            for step in tqdm(range(start + 1, end_step + 1), desc=f"segment to {end_step}", initial=start, total=end_step,
+                             disable=not rank0):
                 record = trainer.step(step)
-                tracker.log(record)
+                if rank0:
+                    tracker.log(record)
                 trainer.heartbeat.beat()
         with timer(times, "save_checkpoint"):
-            trainer.save(end_step, tracker.run_id)
+            trainer.save(end_step, tracker.run_id if rank0 else "")
         trainer.heartbeat.beat()
         if end_step in plan.validation_steps(cfg, trainer.total_steps):
             with timer(times, "validation"):
                 validation = trainer.validate(end_step)
             trainer.heartbeat.beat()
-        apply_retention(cfg, trainer.total_steps, lambda s: val_results.is_validated(cfg, s))
-        parts = {} if validation is None else {f"validation_{k.split('/')[1]}": validation[k] for k in
-                                               ("timing_s/encode", "timing_s/generation", "timing_s/scoring")}
-        tracker.add_timings(end_step, {**times, **parts})
+        if rank0:
+            apply_retention(cfg, trainer.total_steps, lambda s: val_results.is_validated(cfg, s))
+            parts = {} if validation is None else {f"validation_{k.split('/')[1]}": validation[k] for k in
+                                                   ("timing_s/encode", "timing_s/generation", "timing_s/scoring")}
+            tracker.add_timings(end_step, {**times, **parts})
     else:
         log.info("checkpoint %d already covers step %d: nothing to train", start, end_step)
     if tracker is not None:
         tracker.close()
+    if not rank0:
+        return {}
     last = next((r for r in read_metrics(paths.path(paths.METRICS, trainer.exp_dir)) if r["step"] == end_step), {})
     summary = {k: last[k] for k in ("reward/overall", "reward/format", "reward/accuracy", "actor/kl_loss") if k in last}
     out = {
@@ -424,9 +469,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = config_lib.read_resolved(args.config)
-    heartbeat = Heartbeat(Path(args.heartbeat) if args.heartbeat else None)
+    # Rank 0 beats for all: a rank that hangs stops rank 0 at its next collective, so the beat goes stale.
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    heartbeat = Heartbeat(Path(args.heartbeat) if args.heartbeat and rank0 else None)
     heartbeat.beat()  # imports are done
     run_segment(cfg, args.end_step, Path(args.marker), heartbeat)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

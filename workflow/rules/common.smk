@@ -44,7 +44,8 @@ EVAL_KEYS = ("seed", "model", "data", "worker.rollout.engine", "worker.rollout.v
 if "gpu" not in workflow.global_resources and workflow.nodes is None:
     workflow.register_resource("gpu", CFG["trainer"]["n_gpus_per_node"])
 
-TRAIN_GPUS = CFG["trainer"]["n_gpus_per_node"] * CFG["trainer"]["nnodes"]
+# A segment's processes each hold a GPU (torchrun when more than one); on the CPU they hold none.
+TRAIN_GPUS = 0 if CFG["trainer"]["device"] == "cpu" else CFG["trainer"]["n_gpus_per_node"] * CFG["trainer"]["nnodes"]
 EVAL_GPUS = min(1, TRAIN_GPUS)
 
 

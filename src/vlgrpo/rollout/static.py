@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
+from vlgrpo import distributed
 from vlgrpo.batch import PromptBatch
 from vlgrpo.policy import fused_rms_norm, prefix_forward, prompt_runs
 from vlgrpo.rollout import SamplingParams
@@ -134,10 +135,12 @@ class StaticEngine(HFEngine):
         self.cuda_graph = cuda_graph and model.device.type == "cuda"
         self._decoder: _Decoder | None = None
         self._shape = None
+        # A sharded model's gathered weights get new storage at every gathering: no graph outlives one.
+        self.reuse = not distributed.is_sharded(model)
 
     def _decoder_for(self, rows: int, width: int, params: SamplingParams) -> _Decoder:
         shape = (rows, width, params)
-        if shape != self._shape:
+        if shape != self._shape or not self.reuse:
             self._decoder = self._shape = None  # free the old cache before allocating the new one
             device = self.model.device
             eos = torch.tensor(self.eos_ids, device=device)

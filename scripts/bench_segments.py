@@ -12,8 +12,10 @@ workflow, the recipe with its CUDA fast paths on by default, every response 512 
 CPU (the tiny demo model and synthetic task the workflow builds; minutes):
     python scripts/bench_segments.py --cpu --out /tmp/bench_segments_cpu.json
 The experiment runs under --workdir (default /tmp/vlgrpo_bench_segments, deleted first unless
---resume: then Snakemake carries on with what is there, e.g. after a device call ran out of time);
-the JSON names the disk it wrote to. On a lent H200 (carry .benchdata; ~8-9 minutes):
+--resume: then Snakemake carries on with what is there). Where one device call cannot hold every
+segment, `--upto K` runs the first K and a later `--resume` call (same --segments) the rest; the
+scheduling gap of a segment counts from the later of the previous segment's end and the launch
+that ran it. The JSON names the disk it wrote to. On a lent H200 (carry .benchdata; ~8-9 minutes):
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .benchdata/whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD/src PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1
     python3 scripts/bench_segments.py --out $OUT/bench_segments_h200.json
@@ -94,14 +96,15 @@ def cli_on_path(work: Path) -> dict:
     return env
 
 
-def segment_table(exp: Path, ends: list[int], steps: int, launched: float) -> list[dict]:
+def segment_table(exp: Path, ends: list[int], steps: int, launches: list[float]) -> list[dict]:
     from vlgrpo import paths
     from vlgrpo.tracking import read_metrics
 
     metrics = {r["step"]: r for r in read_metrics(paths.path(paths.METRICS, exp))}
-    rows, previous_end = [], launched
+    rows, previous_end = [], launches[0]
     for end in ends:
         marker = json.loads(paths.path(paths.MARKER, exp, step=end).read_text())
+        previous_end = max([previous_end] + [t for t in launches if t <= marker["job_start"]])
         t = {k: v for k, v in metrics[end].items() if k.startswith("timing_s/")}
         steps_s = sum(metrics[s]["timing_s/step"] for s in range(end - steps + 1, end + 1))
         generation = t.get("timing_s/validation_generation", 0.0)
@@ -145,6 +148,7 @@ def main(argv=None) -> dict:
                         "another disk when two checkpoints and the model do not fit on one")
     parser.add_argument("--segments", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="steps per segment")
+    parser.add_argument("--upto", type=int, help="run only the first K segments of the plan (the rest with a later --resume)")
     parser.add_argument("--make-model", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.make_model:
@@ -158,24 +162,27 @@ def main(argv=None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     files, cfg = overlay(args, work)
     exp = work / "results" / EXPERIMENT
-    ends = [args.steps * (i + 1) for i in range(args.segments)]
+    ends = [args.steps * (i + 1) for i in range(args.segments)][: args.upto or args.segments]
     targets = [str(exp / f"segments/step_{e:06d}.json") for e in ends] + [str(exp / f"val/step_{e:06d}.json") for e in ends]
     cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(work), "--cores", "all",
            "--resources", f"gpu={0 if args.cpu else 1}", "--configfile", *map(str, files), "--", *targets]
     launched = time.time()
-    with open(work / "snakemake.log", "w") as log:
+    launch_log = work / "launches.json"
+    launches = (json.loads(launch_log.read_text()) if launch_log.exists() else []) + [launched]
+    launch_log.write_text(json.dumps(launches))
+    with open(work / "snakemake.log", "a") as log:
         status = subprocess.run(cmd, env=cli_on_path(work), stdout=log, stderr=subprocess.STDOUT).returncode
     wall = time.time() - launched
     if status:
         sys.exit(f"snakemake failed ({status}); see {work / 'snakemake.log'} and {exp / 'logs'}")
-    rows = segment_table(exp, ends, args.steps, launched)
+    rows = segment_table(exp, ends, args.steps, launches)
     disk = subprocess.run(["df", "-h", "--output=source,fstype,size,avail,target", str(work)], capture_output=True, text=True).stdout
     checkpoint = max((exp / "checkpoints").glob("global_step_*"))
     result = {
         "device": "cpu" if args.cpu else subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                                                         capture_output=True, text=True).stdout.strip(),
         "config_files": [str(f) for f in files], "overlay": cfg,
-        "segments": rows, "snakemake_wall_s": wall,
+        "segments": rows, "snakemake_wall_s": wall, "snakemake_launches": len(launches),
         "checkpoint_bytes": sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file()),
         "disk": disk.strip(), "workdir": str(work), "model_path": cfg["model"]["path"],
         "adopted_validations": [json.loads((exp / f"val/step_{e:06d}.json").read_text())["validated_in_process"] for e in ends],

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from vlgrpo import val_results
 
 from conftest import make_experiment
-from vlgrpo import config, paths
+from vlgrpo import config, evaluate, paths
 from vlgrpo.checkpoint import CheckpointStore, model_tensors
 from vlgrpo.policy import load_model
 from vlgrpo.tracking import read_metrics
@@ -134,6 +134,20 @@ def test_checkpoint_write_is_atomic_and_retention_keeps_what_validation_needs(de
 
     model = load_model(store.model_dir(6), t.cfg["model"], torch.device("cpu"), trainable=False)
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in t.policy.parameters())
+
+
+def test_in_process_validation_is_keyed_on_the_resolved_file_not_the_device_values(demo_base, tmp_path, monkeypatch):
+    # The trainer sets `auto` switches for its device; on a GPU those differ from the file's `auto`, and
+    # a result keyed on them was never adopted by the evaluate rule (which reads the file): every
+    # checkpoint was validated twice and its weights kept for it.
+    cfg = make_experiment(demo_base, tmp_path, {})
+    assert val_results.eval_key(config.for_device(cfg, "cuda")) != val_results.eval_key(cfg)
+    t = GRPOTrainer(cfg)
+    t.load(0)
+    seen = []
+    monkeypatch.setattr(evaluate, "evaluate", lambda c, step, **kw: seen.append(c))
+    t.validate(5)
+    assert seen == [cfg]  # the settings as the file holds them, `auto` kept
 
 
 def test_nonfinite_update_is_skipped_then_aborts(demo_base, tmp_path, monkeypatch):

@@ -127,7 +127,10 @@ def cmd_train(args) -> None:
     # the mtime may come from the file server's clock, which need not agree with ours.
     seen, changed = heartbeat.stat().st_mtime_ns, time.monotonic()
     while child.poll() is None:
-        time.sleep(min(5.0, timeout / 4))
+        try:
+            child.wait(min(5.0, timeout / 4))  # returns as the segment ends: the next job starts at once
+        except subprocess.TimeoutExpired:
+            pass
         if (mtime := heartbeat.stat().st_mtime_ns) != seen:
             seen, changed = mtime, time.monotonic()
         age = time.monotonic() - changed

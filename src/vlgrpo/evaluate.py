@@ -63,8 +63,11 @@ def evaluate(cfg: dict, step: int, model=None, engine=None, in_process: bool = F
     in_process: write the result aside for the evaluate rule to adopt.
     Called by every rank of a distributed segment: each generates for its share of the items
     (generate_and_grade), rank 0 writes.
+    `cfg` is the config as the resolved file holds it: the result is keyed on it (val_results.eval_key),
+    before its `auto` switches are set for this device.
     """
     start = time.perf_counter()
+    key = val_results.eval_key(cfg)
     start_workers()  # the grading processes spawn and import while the model loads and generates
     exp = config_lib.experiment_dir(cfg)
     data, val = cfg["data"], cfg["worker"]["rollout"]["val_override_config"]
@@ -118,7 +121,7 @@ def evaluate(cfg: dict, step: int, model=None, engine=None, in_process: bool = F
     ]
     record["timing_s/validation"] = time.perf_counter() - start
 
-    record["eval_key"] = val_results.eval_key(cfg)
+    record["eval_key"] = key
     record["validated_in_process"] = in_process
 
     lines = []

@@ -117,6 +117,7 @@ class Faults:
 class GRPOTrainer:
     def __init__(self, cfg: dict, heartbeat: Heartbeat | None = None):
         self.device = distributed.init(resolve_device(cfg["trainer"]["device"]))
+        self.settings = cfg  # as config.resolved.yaml holds them (`auto` kept), which validations are keyed on
         self.cfg = cfg = config_lib.for_device(cfg, self.device)
         self.exp_dir = config_lib.experiment_dir(cfg)
         self.heartbeat = heartbeat or Heartbeat(None)
@@ -197,7 +198,7 @@ class GRPOTrainer:
         aside for it to adopt); None if validation failed: the checkpoint stands, the rule validates it."""
         self.optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free for generation
         try:
-            return evaluate.evaluate(self.cfg, step, model=self.policy, engine=self.engine, in_process=True)
+            return evaluate.evaluate(self.settings, step, model=self.policy, engine=self.engine, in_process=True)
         except Exception:
             log.exception("in-process validation of step %d failed; the evaluate rule will validate it", step)
             return None

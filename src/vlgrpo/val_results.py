@@ -18,7 +18,9 @@ from vlgrpo import paths
 
 
 def eval_key(cfg: dict) -> str:
-    """Hash of what a validation result of a checkpoint depends on (training and validation settings)."""
+    """Hash of what a validation result of a checkpoint depends on (training and validation settings),
+    of the config as the resolved file holds it: with `auto` switches, not their values for a device
+    (the evaluate rule and the retention of checkpoints key on that file)."""
     parts = {k: cfg[k] for k in ("seed", "model", "data", "algorithm", "worker")}
     return config_lib.config_hash({**parts, "val_generations_to_log": cfg["trainer"]["val_generations_to_log"]})
 

@@ -122,6 +122,7 @@ def segment_table(exp: Path, ends: list[int], steps: int, launches: list[float])
         }
         rows.append({
             "end_step": end, "steps_s": steps_s, "validation_s": t.get("timing_s/validation", 0.0),
+            "save_checkpoint_behind_s": t.get("timing_s/save_checkpoint_behind", 0.0),  # the whole write, mostly hidden
             "validation_generation_s": generation, "validated_in_process": marker["validated_in_process"],
             "job_s": job, "overhead_s": sum(parts.values()), "overhead_parts_s": parts,
         })

@@ -2,6 +2,7 @@
 per-parameter tensors) and RNG; truncated or corrupted checkpoints refused at load, the previous used."""
 
 import json
+import threading
 
 import pytest
 import torch
@@ -128,3 +129,26 @@ def test_a_checkpoint_of_another_model_is_refused(store_with_two):
     model = torch.nn.Sequential(torch.nn.Embedding(50, 8))
     with pytest.raises(CheckpointError, match="the model has|does not have|names no parameter"):
         store.load(10, model, torch.optim.AdamW(model.parameters()))
+
+
+def test_a_save_behind_publishes_only_when_written_and_a_failure_keeps_the_previous(store_with_two):
+    store, snaps = store_with_two
+    model, optimizer = model_and_optimizer()
+    step, _ = store.restore(model, optimizer)
+    train(model, optimizer, 5)
+    expected = snapshot(model, optimizer)
+    release, order = threading.Event(), []
+    saving = store.save_behind(15, model, optimizer, None, {"config_hash": "x"},
+                               before_publish=lambda: release.wait(30), after_publish=lambda: order.append(store.latest()))
+    assert store.latest() == 10  # the caller goes on while the files are written
+    release.set()
+    assert saving.result() == store.path(15) and saving.seconds > 0
+    assert store.latest() == 15 and order == [15]  # after_publish runs once the tracker names it
+    assert_same(snapshot(*restored(store)[2:]), expected)
+
+    def fail():
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        store.save_behind(20, model, optimizer, None, {"config_hash": "x"}, before_publish=fail).result()
+    assert store.latest() == 15 and not store.path(20).exists()

@@ -90,7 +90,7 @@ def test_resume_is_exact(demo_base, tmp_path):
     assert paths.path(paths.METRICS, config.experiment_dir(halves)).read_text() == before
     marker = json.loads(paths.path(paths.MARKER, config.experiment_dir(halves), step=10).read_text())
     assert marker["end_step"] == 10 and marker["start_step"] == 5
-    assert set(marker["timing_s"]) == {"startup", "build_model", "load_checkpoint", "train", "save_checkpoint", "validation"}
+    assert set(marker["timing_s"]) == {"startup", "build_model", "load_checkpoint", "train", "save_checkpoint", "save_checkpoint_behind", "validation"}
     assert marker["validated_in_process"]
     timed = read_metrics(paths.path(paths.METRICS, config.experiment_dir(halves)))[-1]
     assert timed["step"] == 10 and timed["timing_s/save_checkpoint"] == marker["timing_s"]["save_checkpoint"]
@@ -104,7 +104,7 @@ def test_checkpoint_write_is_atomic_and_retention_keeps_what_validation_needs(de
     store = t.store
     assert store.latest() is None
     for step in (2, 4, 6):
-        t.save(step, "run")
+        t.save(step, "run").result()
     assert store.latest() == 6 and store.state(6)["wandb_run_id"] == "run"
     from vlgrpo.checkpoint import apply_retention
 
@@ -202,7 +202,7 @@ def test_bf16_resume_is_exact_with_each_optimizer(demo_base, tmp_path, strategy)
     first = GRPOTrainer(make_experiment(demo_base, tmp_path / "halves", overrides))
     first.load(0)
     resumed_records = [deterministic(first.step(step)) for step in (1, 2)]
-    first.save(2, "run")
+    first.save(2, "run").result()
     resumed = GRPOTrainer(first.cfg)
     resumed.load(2)
     resumed_records += [deterministic(resumed.step(step)) for step in (3, 4)]

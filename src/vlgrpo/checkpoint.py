@@ -15,7 +15,8 @@ depend on how many processes wrote it. Tensor files are written by a pool of thr
 through a small pinned buffer per thread), their CRC-32 computed from the bytes as they are written;
 loading reads each file once, in parallel, straight into the model's and optimizer's tensors, and
 checks the CRC-32 of the bytes it read. A checkpoint is written into a temporary folder, fsynced,
-renamed, and only then is the tracker replaced atomically, so a process killed at any moment leaves
+renamed, and only then is the tracker replaced atomically (in one process all that runs behind the
+segment's validation, which only reads the model: save_behind), so a process killed at any moment leaves
 the previous checkpoint and tracker intact; a checkpoint that fails its sizes or checksums at load is
 refused with a message and the previous one is used (restore).
 """
@@ -30,8 +31,9 @@ import os
 import shutil
 import struct
 import threading
+import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -83,6 +85,15 @@ def _pinned() -> torch.Tensor:
     return _local.buffer
 
 
+def _stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's CUDA stream on `device`: a checkpoint written behind a validation copies off the
+    default stream, where the validation's kernels run."""
+    streams = _local.__dict__.setdefault("streams", {})
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device)
+    return streams[device]
+
+
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1).view(torch.uint8)  # a view: the tensor must be contiguous
 
@@ -110,7 +121,8 @@ def _write_file(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> dict:
             buffer = _pinned()
             for start in range(0, flat.numel(), CHUNK):
                 n = min(CHUNK, flat.numel() - start)
-                buffer[:n].copy_(flat[start : start + n])
+                with torch.cuda.stream(_stream(flat.device)):
+                    buffer[:n].copy_(flat[start : start + n])  # synchronous: waits for this stream only
                 chunk = memoryview(buffer[:n].numpy())
                 f.write(chunk)
                 crc = zlib.crc32(chunk, crc)
@@ -244,6 +256,32 @@ def _barrier() -> None:
         dist.barrier()
 
 
+class PendingSave:
+    """A checkpoint being saved: result() waits until it is published (raising what failed) and returns
+    its folder; seconds is how long the save took, once done."""
+
+    def __init__(self, finish: Callable[[], Path], behind: bool):
+        self.seconds = 0.0
+
+        def timed() -> Path:
+            start = time.perf_counter()
+            try:
+                return finish()
+            finally:
+                self.seconds = time.perf_counter() - start
+
+        if behind:
+            writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+            self._future = writer.submit(timed)
+            writer.shutdown(wait=False)
+        else:
+            self._future = Future()
+            self._future.set_result(timed())
+
+    def result(self) -> Path:
+        return self._future.result()
+
+
 class CheckpointStore:
     def __init__(self, root: str | os.PathLike, threads: int | None = None):
         self.root = Path(root)
@@ -269,58 +307,93 @@ class CheckpointStore:
 
         before_publish: called when every file is written and fsynced, before the rename (fault tests).
         """
+        return self.save_behind(step, model, optimizer, processor, state, before_publish).result()
+
+    def save_behind(self, step: int, model, optimizer, processor, state: dict, before_publish: Callable | None = None,
+                    after_publish: Callable | None = None) -> "PendingSave":
+        """Start saving checkpoint `step`; its result() is the folder, once the tracker names it.
+
+        In one process a background thread writes, fsyncs and publishes the tensor files while the
+        caller goes on (a segment validates meanwhile), reading the model's and optimizer's tensors in
+        place: the caller must not change them before the future is done. GPU tensors are copied on the
+        writer threads' own CUDA streams. Several processes save in the foreground (gathers and barriers
+        are collectives) and it is done on return. after_publish: run once the new checkpoint
+        is published (retention).
+        """
         tmp = self.root / f".tmp_{step_dir_name(step)}"
         weights, osd = model_tensors(model), optimizer_state(model, optimizer)
-        if _is_rank0():
-            shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "model").mkdir(parents=True)
-            (tmp / "optim").mkdir()
-            for part in (getattr(model, "config", None), getattr(model, "generation_config", None), processor):
-                if part is not None:  # a Hugging Face model and processor: the folder loads with from_pretrained
-                    part.save_pretrained(tmp / "model")
-            tensors, scalars, devices = {"rng/torch": torch.get_rng_state()}, {}, {}
-            for name, values in osd["state"].items():
-                for key, value in values.items():
-                    if torch.is_tensor(value):
-                        tensors[f"state/{name}/{key}"] = value
-                        # Gathered state comes to the host (cpu_offload); per-parameter tensors belong with their parameter.
-                        on_param = value.device.type != "cpu" or (dist.is_initialized() and value.dim() > 0)
-                        devices[f"state/{name}/{key}"] = "param" if on_param else "cpu"
-                    else:
-                        scalars.setdefault(name, {})[key] = value
-            atomic.write_json(tmp / "optim" / OPTIM_JSON, {"param_groups": osd["param_groups"], "scalars": scalars, "devices": devices})
-            atomic.write_json(tmp / STATE, {**state, "step": step})
-            files = {}  # relative path -> tensors
-            model_groups = _groups(weights, self.threads)
-            for i, group in enumerate(model_groups):
-                files[f"model/model-{i + 1:05d}-of-{len(model_groups):05d}.safetensors"] = group
-            optim_groups = _groups(tensors, self.threads)
-            for i, group in enumerate(optim_groups):
-                files[f"optim/optim-{i + 1:05d}-of-{len(optim_groups):05d}.safetensors"] = group
-            index = {"metadata": {"total_size": sum(t.nbytes for t in weights.values())},
-                     "weight_map": {name: Path(f).name for f, group in files.items() if f.startswith("model/") for name, _ in group}}
-            atomic.write_json(tmp / "model" / "model.safetensors.index.json", index)
-            order = sorted(files, key=lambda f: -sum(t.nbytes for _, t in files[f]))  # largest first
-            with ThreadPoolExecutor(self.threads) as pool:
-                written = dict(zip(order, pool.map(lambda f: _write_file(tmp / f, files[f]), order)))
-            manifest = {}
-            for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                name = str(path.relative_to(tmp))
-                manifest[name] = written.get(name) or {"bytes": path.stat().st_size, "crc32": _crc_of_file(path)}
-            atomic.write_json(tmp / MANIFEST, manifest)
-            atomic.fsync_tree(tmp)
-            if before_publish is not None:
-                before_publish()
-        _barrier()
-        final = self.path(step)
-        if _is_rank0():
-            with self._locked():
-                shutil.rmtree(final, ignore_errors=True)  # a refused leftover of an earlier try
-                os.rename(tmp, final)
-                atomic.fsync_path(self.root)
-                atomic.write_json(self.root / TRACKER, {"step": step, "path": final.name})
-        _barrier()
-        return final
+        files = self._stage(tmp, step, model, processor, weights, osd, state) if _is_rank0() else {}
+
+        def finish() -> Path:
+            if _is_rank0():
+                self._write(tmp, files)
+                if before_publish is not None:
+                    before_publish()
+            _barrier()
+            final = self.path(step)
+            if _is_rank0():
+                self._publish(tmp, final, step)
+            _barrier()
+            if after_publish is not None and _is_rank0():
+                after_publish()
+            return final
+
+        behind = not dist.is_initialized()
+        if behind:
+            for device in {t.device for group in files.values() for _, t in group if t.is_cuda}:
+                torch.cuda.synchronize(device)  # the writers' streams see the caller's last updates
+        return PendingSave(finish, behind)
+
+    def _stage(self, tmp: Path, step: int, model, processor, weights: dict, osd: dict, state: dict) -> dict:
+        """The small files of checkpoint `step` written into `tmp`; {relative path: tensors} of the big ones."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "model").mkdir(parents=True)
+        (tmp / "optim").mkdir()
+        for part in (getattr(model, "config", None), getattr(model, "generation_config", None), processor):
+            if part is not None:  # a Hugging Face model and processor: the folder loads with from_pretrained
+                part.save_pretrained(tmp / "model")
+        tensors, scalars, devices = {"rng/torch": torch.get_rng_state()}, {}, {}
+        for name, values in osd["state"].items():
+            for key, value in values.items():
+                if torch.is_tensor(value):
+                    tensors[f"state/{name}/{key}"] = value
+                    # Gathered state comes to the host (cpu_offload); per-parameter tensors belong with their parameter.
+                    on_param = value.device.type != "cpu" or (dist.is_initialized() and value.dim() > 0)
+                    devices[f"state/{name}/{key}"] = "param" if on_param else "cpu"
+                else:
+                    scalars.setdefault(name, {})[key] = value
+        atomic.write_json(tmp / "optim" / OPTIM_JSON, {"param_groups": osd["param_groups"], "scalars": scalars, "devices": devices})
+        atomic.write_json(tmp / STATE, {**state, "step": step})
+        files = {}  # relative path -> tensors
+        model_groups = _groups(weights, self.threads)
+        for i, group in enumerate(model_groups):
+            files[f"model/model-{i + 1:05d}-of-{len(model_groups):05d}.safetensors"] = group
+        optim_groups = _groups(tensors, self.threads)
+        for i, group in enumerate(optim_groups):
+            files[f"optim/optim-{i + 1:05d}-of-{len(optim_groups):05d}.safetensors"] = group
+        index = {"metadata": {"total_size": sum(t.nbytes for t in weights.values())},
+                 "weight_map": {name: Path(f).name for f, group in files.items() if f.startswith("model/") for name, _ in group}}
+        atomic.write_json(tmp / "model" / "model.safetensors.index.json", index)
+        return files
+
+    def _write(self, tmp: Path, files: dict) -> None:
+        """The tensor files in parallel, then the manifest of every file in `tmp`; all fsynced."""
+        order = sorted(files, key=lambda f: -sum(t.nbytes for _, t in files[f]))  # largest first
+        with ThreadPoolExecutor(self.threads) as pool:
+            written = dict(zip(order, pool.map(lambda f: _write_file(tmp / f, files[f]), order)))
+        manifest = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            name = str(path.relative_to(tmp))
+            manifest[name] = written.get(name) or {"bytes": path.stat().st_size, "crc32": _crc_of_file(path)}
+        atomic.write_json(tmp / MANIFEST, manifest)
+        atomic.fsync_tree(tmp)
+
+    def _publish(self, tmp: Path, final: Path, step: int) -> None:
+        with self._locked():
+            shutil.rmtree(final, ignore_errors=True)  # a refused leftover of an earlier try
+            os.rename(tmp, final)
+            atomic.fsync_path(self.root)
+            atomic.write_json(self.root / TRACKER, {"step": step, "path": final.name})
 
     # --- reading -------------------------------------------------------------------------
     def _manifest(self, step: int) -> dict:

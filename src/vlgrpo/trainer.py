@@ -38,6 +38,7 @@ import signal
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import torch
@@ -46,7 +47,7 @@ from tqdm.auto import tqdm
 from vlgrpo import config as config_lib
 from vlgrpo import atomic, distributed, evaluate, grpo, metrics, paths, plan, val_results
 from vlgrpo.batch import PromptBatch, to_device
-from vlgrpo.checkpoint import CheckpointStore, apply_retention
+from vlgrpo.checkpoint import CheckpointStore, PendingSave, apply_retention
 from vlgrpo.data.filtering import load_filtered
 from vlgrpo.data.sources import load_processor
 from vlgrpo.errors import VlgrpoError
@@ -74,7 +75,7 @@ def training_hash(cfg: dict) -> str:
 def timer(timing: dict, name: str):
     start = time.perf_counter()
     yield
-    timing[name] = time.perf_counter() - start
+    timing[name] = timing.get(name, 0.0) + time.perf_counter() - start  # a phase timed in parts adds up
     log.debug("%s: %.2f s", name, timing[name])  # the benchmark shows these as they happen
 
 
@@ -183,7 +184,9 @@ class GRPOTrainer:
         self._make_engine()
         return start, state
 
-    def save(self, step: int, run_id: str) -> Path:
+    def save(self, step: int, run_id: str, after_publish: Callable | None = None) -> PendingSave:
+        """Start saving checkpoint `step` (CheckpointStore.save_behind): the model and optimizer stay
+        unchanged until the future is done."""
         epoch, position = divmod(step, self.steps_per_epoch)
         state = {
             "config_hash": training_hash(self.cfg),
@@ -191,7 +194,7 @@ class GRPOTrainer:
             "wandb_run_id": run_id,
         }
         kill = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if self.faults.fires("kill_in_save", step) else None
-        return self.store.save(step, self.policy, self.optimizer, self.processor, state, before_publish=kill)
+        return self.store.save_behind(step, self.policy, self.optimizer, self.processor, state, kill, after_publish)
 
     def validate(self, step: int) -> dict | None:
         """Validate checkpoint `step` with the policy in memory (as the evaluate rule would, written
@@ -411,6 +414,7 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
     tracker = None
     if start < end_step:
         times["startup"] = time.time() - job_start
+        log.info("startup %.1f s (job start to data and processor ready)", times["startup"])
         start, state = trainer.resume(end_step, times)
         if start and state["config_hash"] != training_hash(trainer.cfg):
             raise config_lib.ConfigError(
@@ -426,15 +430,23 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
                 if rank0:
                     tracker.log(record)
                 trainer.heartbeat.beat()
+        def retain():
+            apply_retention(cfg, trainer.total_steps, lambda s: val_results.is_validated(cfg, s))
+
+        # The checkpoint is written behind the validation, which only reads the model; its time is
+        # what the segment waits for it (timing_s/save_checkpoint_behind: the whole write).
         with timer(times, "save_checkpoint"):
-            trainer.save(end_step, tracker.run_id if rank0 else "")
+            saving = trainer.save(end_step, tracker.run_id if rank0 else "", after_publish=retain)
         trainer.heartbeat.beat()
         if end_step in plan.validation_steps(cfg, trainer.total_steps):
             with timer(times, "validation"):
                 validation = trainer.validate(end_step)
             trainer.heartbeat.beat()
+        with timer(times, "save_checkpoint"):
+            saving.result()
+        times["save_checkpoint_behind"] = saving.seconds
         if rank0:
-            apply_retention(cfg, trainer.total_steps, lambda s: val_results.is_validated(cfg, s))
+            retain()  # end_step's own validation may have settled what its predecessors keep
             parts = {} if validation is None else {f"validation_{k.split('/')[1]}": validation[k] for k in
                                                    ("timing_s/encode", "timing_s/generation", "timing_s/scoring")}
             tracker.add_timings(end_step, {**times, **parts})
@@ -474,6 +486,8 @@ def main(argv=None) -> None:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     heartbeat = Heartbeat(Path(args.heartbeat) if args.heartbeat and rank0 else None)
     heartbeat.beat()  # imports are done
+    if "VLGRPO_JOB_START" in os.environ:  # the first part of timing_s/startup
+        log.info("imports done %.1f s after the job started", time.time() - float(os.environ["VLGRPO_JOB_START"]))
     run_segment(cfg, args.end_step, Path(args.marker), heartbeat)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

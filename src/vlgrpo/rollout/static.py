@@ -118,7 +118,8 @@ class _Decoder:
                 self.step()
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            # thread_local: a checkpoint written behind the validation copies from other threads meanwhile
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.step()
 
     def run(self, steps: int, stop_at_eos: bool, progress) -> None:

@@ -310,12 +310,12 @@ class CheckpointStore:
         return self.save_behind(step, model, optimizer, processor, state, before_publish).result()
 
     def save_behind(self, step: int, model, optimizer, processor, state: dict, before_publish: Callable | None = None,
-                    after_publish: Callable | None = None) -> "PendingSave":
+                    after_publish: Callable | None = None) -> PendingSave:
         """Start saving checkpoint `step`; its result() is the folder, once the tracker names it.
 
         In one process a background thread writes, fsyncs and publishes the tensor files while the
         caller goes on (a segment validates meanwhile), reading the model's and optimizer's tensors in
-        place: the caller must not change them before the future is done. GPU tensors are copied on the
+        place: the caller must not change them before it is done. GPU tensors are copied on the
         writer threads' own CUDA streams. Several processes save in the foreground (gathers and barriers
         are collectives) and it is done on return. after_publish: run once the new checkpoint
         is published (retention).

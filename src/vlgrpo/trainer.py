@@ -186,7 +186,7 @@ class GRPOTrainer:
 
     def save(self, step: int, run_id: str, after_publish: Callable | None = None) -> PendingSave:
         """Start saving checkpoint `step` (CheckpointStore.save_behind): the model and optimizer stay
-        unchanged until the future is done."""
+        unchanged until it is done."""
         epoch, position = divmod(step, self.steps_per_epoch)
         state = {
             "config_hash": training_hash(self.cfg),
@@ -446,7 +446,6 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
             saving.result()
         times["save_checkpoint_behind"] = saving.seconds
         if rank0:
-            retain()  # end_step's own validation may have settled what its predecessors keep
             parts = {} if validation is None else {f"validation_{k.split('/')[1]}": validation[k] for k in
                                                    ("timing_s/encode", "timing_s/generation", "timing_s/scoring")}
             tracker.add_timings(end_step, {**times, **parts})

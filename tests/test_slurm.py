@@ -47,8 +47,9 @@ def slurm_missing() -> str | None:
 
 
 def config_args(demo: Path) -> list[str]:
-    """The workflow tests' demo, trained on one (fake) GPU's worth of resources but on the CPU."""
-    trainer = "trainer={max_steps: 6, save_freq: 2, val_freq: 2, retries: 1, n_gpus_per_node: 1, device: cpu}"
+    """The workflow tests' demo with the recipe's `device: auto`: its jobs ask SLURM for one (fake) GPU
+    each and train on the CPU, as this machine has no CUDA (`device: cpu` would ask for none)."""
+    trainer = "trainer={max_steps: 6, save_freq: 2, val_freq: 2, retries: 1, n_gpus_per_node: 1, device: auto}"
     return [o for o in overrides(demo) if not o.startswith("trainer=")] + [trainer]
 
 

@@ -54,7 +54,7 @@ def overlay(args, work: Path) -> tuple[list[Path], dict]:
     """Config files for snakemake --configfile (the last one written here) and the overlay itself."""
     total = args.segments * args.steps
     trainer = {"max_steps": total, "save_freq": args.steps, "val_freq": args.steps, "val_before_train": False,
-               "keep_checkpoints": 1, "logger": ["file"], "stall_timeout_s": 1800}
+               "keep_checkpoints": 1, "logger": ["file"], "stall_timeout_s": 1800, "always_torchrun": args.torchrun}
     if args.cpu:
         demo = work / "_demo"
         cfg = {
@@ -79,6 +79,9 @@ def overlay(args, work: Path) -> tuple[list[Path], dict]:
             "trainer": {**trainer, "device": "cuda", "n_gpus_per_node": 1},
         }
         files = [ROOT / "configs/qwen2_5_vl_3b_geo3k.yaml"]
+    from vlgrpo.config import deep_merge, parse_assignments
+
+    cfg = deep_merge(cfg, parse_assignments(args.set))
     path = work / "overlay.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return files + [path], cfg
@@ -149,6 +152,9 @@ def main(argv=None) -> dict:
                         "another disk when two checkpoints and the model do not fit on one")
     parser.add_argument("--segments", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="steps per segment")
+    parser.add_argument("--torchrun", action="store_true",
+                        help="trainer.always_torchrun: each segment as one FSDP2 rank under torchrun")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     parser.add_argument("--upto", type=int, help="run only the first K segments of the plan (the rest with a later --resume)")
     parser.add_argument("--make-model", nargs=2, metavar=("SRC", "DST"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -227,9 +227,12 @@ def test_bench_runs_the_fsdp2_path_under_torchrun_with_one_rank(demo_base, tmp_p
 def test_the_segment_command_is_torchrun_for_several_processes():
     from vlgrpo.cli import trainer_command
 
-    base = {"experiment": "x", "trainer": {"n_gpus_per_node": 1, "nnodes": 1, "rdzv_endpoint": None}}
+    base = {"experiment": "x", "trainer": {"n_gpus_per_node": 1, "nnodes": 1, "rdzv_endpoint": None, "always_torchrun": False}}
     args = ["--config", "c.yaml", "--end-step", "5"]
     assert trainer_command(base, args)[1:] == ["-m", "vlgrpo.trainer", *args]  # today's single process
+    one_rank = trainer_command(config.deep_merge(base, {"trainer": {"always_torchrun": True}}), args)
+    assert one_rank[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "0",
+                            "-m", "vlgrpo.trainer", *args]
     one_node = trainer_command(config.deep_merge(base, {"trainer": {"n_gpus_per_node": 4}}), args)
     assert one_node[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--max-restarts", "0",
                             "-m", "vlgrpo.trainer", *args]

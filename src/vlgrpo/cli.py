@@ -76,10 +76,10 @@ def cmd_evaluate(args) -> None:
 
 def trainer_command(cfg: dict, args: list[str]) -> list[str]:
     """The segment's command: the trainer module, under torchrun when the segment has several processes
-    (trainer.n_gpus_per_node x nnodes). --max-restarts 0: one rank that dies fails the whole job, and
-    Snakemake's retry resumes it from the last checkpoint."""
+    (trainer.n_gpus_per_node x nnodes) or trainer.always_torchrun asks for it. --max-restarts 0: one rank that
+    dies fails the whole job, and Snakemake's retry resumes it from the last checkpoint."""
     trainer = cfg["trainer"]
-    if config_lib.processes(cfg) == 1:
+    if config_lib.processes(cfg) == 1 and not trainer["always_torchrun"]:
         return [sys.executable, "-m", "vlgrpo.trainer", *args]
     nodes = ["--standalone"] if trainer["nnodes"] == 1 else [
         "--nnodes", str(trainer["nnodes"]), "--rdzv-backend", "c10d", "--rdzv-endpoint", trainer["rdzv_endpoint"],

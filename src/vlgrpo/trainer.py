@@ -414,7 +414,8 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
     tracker = None
     if start < end_step:
         times["startup"] = time.time() - job_start
-        log.info("startup %.1f s (job start to data and processor ready)", times["startup"])
+        log.info("startup %.1f s (job start to data and processor ready); %s", times["startup"],
+                 f"{distributed.world()} rank(s) under torchrun" if distributed.launched() else "one process")
         start, state = trainer.resume(end_step, times)
         if start and state["config_hash"] != training_hash(trainer.cfg):
             raise config_lib.ConfigError(

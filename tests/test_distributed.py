@@ -239,3 +239,42 @@ def test_the_segment_command_is_torchrun_for_several_processes():
     two_nodes = trainer_command(config.deep_merge(base, {"trainer": {"n_gpus_per_node": 8, "nnodes": 2, "rdzv_endpoint": "n1:29400"}}), args)
     assert two_nodes[3:13] == ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400", "--rdzv-id", "x-5",
                                "--nproc-per-node", "8"]
+
+
+SAVE_WORKER = """
+import sys
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[2])
+from test_checkpoint import model_and_optimizer, train
+from vlgrpo.checkpoint import CheckpointStore
+
+dist.init_process_group("gloo")
+model, optimizer = model_and_optimizer()
+train(model, optimizer, 1)
+store = CheckpointStore(sys.argv[1])
+store.save(5, model, optimizer, None, {"config_hash": "x"})
+
+def disk_full():
+    raise OSError("disk full")
+
+saving = store.save_behind(10, model, optimizer, None, {"config_hash": "x"}, before_publish=disk_full)
+try:
+    saving.result()
+except Exception as e:
+    print(f"rank {dist.get_rank()} {type(e).__name__}: {e}", flush=True)
+dist.barrier()  # both ranks still in step: none waits for rank 0's write
+"""
+
+
+def test_a_failed_write_on_rank_0_fails_every_rank_and_keeps_the_previous_checkpoint(tmp_path):
+    """Rank 0 writes behind (the other ranks have nothing to write): when its write fails, every rank
+    hears so at result() and raises, instead of waiting at a barrier for a rank 0 that left."""
+    script = tmp_path / "save_worker.py"
+    script.write_text(SAVE_WORKER)
+    done = subprocess.run([*torchrun(2), str(script), str(tmp_path / "store"), str(ROOT / "tests")],
+                          env=env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0 OSError: disk full" in done.stdout
+    assert "rank 1 CheckpointError: rank 0 could not write the checkpoint" in done.stdout
+    store = CheckpointStore(tmp_path / "store")
+    assert store.latest() == 5 and not store.path(10).exists()

@@ -15,8 +15,8 @@ depend on how many processes wrote it. Tensor files are written by a pool of thr
 through a small pinned buffer per thread), their CRC-32 computed from the bytes as they are written;
 loading reads each file once, in parallel, straight into the model's and optimizer's tensors, and
 checks the CRC-32 of the bytes it read. A checkpoint is written into a temporary folder, fsynced,
-renamed, and only then is the tracker replaced atomically (in one process all that runs behind the
-segment's validation, which only reads the model: save_behind), so a process killed at any moment leaves
+renamed, and only then is the tracker replaced atomically (the writing runs behind the segment's
+validation, which only reads the model: save_behind), so a process killed at any moment leaves
 the previous checkpoint and tracker intact; a checkpoint that fails its sizes or checksums at load is
 refused with a message and the previous one is used (restore).
 """
@@ -33,7 +33,7 @@ import struct
 import threading
 import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -256,30 +256,48 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _from_rank0(value):
+    """Rank 0's `value` on every rank (a collective, so also a barrier); `value` in one process."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class PendingSave:
-    """A checkpoint being saved: result() waits until it is published (raising what failed) and returns
-    its folder; seconds is how long the save took, once done."""
+    """A checkpoint being saved: `write` (files only, no collectives) runs on a background thread;
+    `publish(written)` (collectives when distributed) runs behind it in one process, else in the thread
+    that calls result(), as collectives must: there every rank learns whether rank 0 wrote the files
+    (publish returns None where it did not), so none waits for a rank 0 that failed. result() waits until
+    the checkpoint is published (raising what failed) and returns its folder; seconds: the whole save."""
 
-    def __init__(self, finish: Callable[[], Path], behind: bool):
+    def __init__(self, write: Callable[[], None], publish: Callable[[bool], Path | None], publish_behind: bool):
         self.seconds = 0.0
+        self._start, self._final = time.perf_counter(), None
+        self._publish = None if publish_behind else publish  # left for result()
 
-        def timed() -> Path:
-            start = time.perf_counter()
-            try:
-                return finish()
-            finally:
-                self.seconds = time.perf_counter() - start
+        def behind() -> Path | None:
+            write()
+            return publish(True) if publish_behind else None
 
-        if behind:
-            writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-            self._future = writer.submit(timed)
-            writer.shutdown(wait=False)
-        else:
-            self._future = Future()
-            self._future.set_result(timed())
+        writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._future = writer.submit(behind)
+        writer.shutdown(wait=False)
 
     def result(self) -> Path:
-        return self._future.result()
+        if self._final is None:
+            try:
+                if self._publish is None:
+                    self._final = self._future.result()
+                else:
+                    error = self._future.exception()
+                    self._final = self._publish(error is None)
+                    if self._final is None:
+                        raise error or CheckpointError("rank 0 could not write the checkpoint (its log says why)")
+            finally:
+                self.seconds = time.perf_counter() - self._start
+        return self._final
 
 
 class CheckpointStore:
@@ -313,23 +331,26 @@ class CheckpointStore:
                     after_publish: Callable | None = None) -> PendingSave:
         """Start saving checkpoint `step`; its result() is the folder, once the tracker names it.
 
-        In one process a background thread writes, fsyncs and publishes the tensor files while the
-        caller goes on (a segment validates meanwhile), reading the model's and optimizer's tensors in
-        place: the caller must not change them before it is done. GPU tensors are copied on the
-        writer threads' own CUDA streams. Several processes save in the foreground (gathers and barriers
-        are collectives) and it is done on return. after_publish: run once the new checkpoint
-        is published (retention).
+        A background thread writes and fsyncs the tensor files while the caller goes on (a segment
+        validates meanwhile). In one process it reads the model's and optimizer's tensors in place (the
+        caller must not change them before result()), GPU tensors copied on the writer threads' own CUDA
+        streams, and publishes too. Several processes first gather full tensors onto rank 0's host (a
+        collective, here), rank 0 writes them behind, and result() publishes between barriers.
+        after_publish: run once the new checkpoint is published (retention).
         """
         tmp = self.root / f".tmp_{step_dir_name(step)}"
         weights, osd = model_tensors(model), optimizer_state(model, optimizer)
         files = self._stage(tmp, step, model, processor, weights, osd, state) if _is_rank0() else {}
 
-        def finish() -> Path:
+        def write() -> None:
             if _is_rank0():
                 self._write(tmp, files)
                 if before_publish is not None:
                     before_publish()
-            _barrier()
+
+        def publish(written: bool) -> Path | None:
+            if not _from_rank0(written):
+                return None
             final = self.path(step)
             if _is_rank0():
                 self._publish(tmp, final, step)
@@ -338,11 +359,9 @@ class CheckpointStore:
                 after_publish()
             return final
 
-        behind = not dist.is_initialized()
-        if behind:
-            for device in {t.device for group in files.values() for _, t in group if t.is_cuda}:
-                torch.cuda.synchronize(device)  # the writers' streams see the caller's last updates
-        return PendingSave(finish, behind)
+        for device in {t.device for group in files.values() for _, t in group if t.is_cuda}:
+            torch.cuda.synchronize(device)  # the writers' streams see the caller's last updates
+        return PendingSave(write, publish, publish_behind=not dist.is_initialized())
 
     def _stage(self, tmp: Path, step: int, model, processor, weights: dict, osd: dict, state: dict) -> dict:
         """The small files of checkpoint `step` written into `tmp`; {relative path: tensors} of the big ones."""

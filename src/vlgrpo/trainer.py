@@ -435,7 +435,8 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
             apply_retention(cfg, trainer.total_steps, lambda s: val_results.is_validated(cfg, s))
 
         # The checkpoint is written behind the validation, which only reads the model; its time is
-        # what the segment waits for it (timing_s/save_checkpoint_behind: the whole write).
+        # what the segment waits for it (under torchrun the gather onto rank 0 included;
+        # timing_s/save_checkpoint_behind: the whole write).
         with timer(times, "save_checkpoint"):
             saving = trainer.save(end_step, tracker.run_id if rank0 else "", after_publish=retain)
         trainer.heartbeat.beat()

@@ -11,6 +11,12 @@ from vlgrpo import config, paths
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 
+
+def needs_shared(*parts: str):
+    """Skip a test whose data under ../shared/data (the real Geometry3K, Qwen files, EasyR1 logs) is absent."""
+    missing = [p for p in parts if not (SHARED / p).exists()]
+    return pytest.mark.skipif(bool(missing), reason=f"shared data absent: {', '.join(missing)}")
+
 torch.set_num_threads(2)
 
 

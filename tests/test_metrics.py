@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from conftest import SHARED, make_experiment
+from conftest import SHARED, make_experiment, needs_shared
 from vlgrpo import config, evaluate, metrics, paths
 from vlgrpo.tracking import read_metrics, read_records
 from vlgrpo.trainer import run_segment
@@ -54,6 +54,7 @@ def test_seqlen_balance_as_easyr1_reports_it():
     assert (two["global_seqlen/balanced_min"], two["global_seqlen/balanced_max"], two["global_seqlen/mean"]) == (50, 50, 50.0)
 
 
+@needs_shared("easyr1_geo3k_run")
 def test_timing_per_token_and_throughput_match_the_seed_logs():
     """Step 1 of the seed run: its per-token times and throughput follow from its own timings."""
     step1 = read_records(SEED_LOGS[0])[1]
@@ -70,6 +71,7 @@ def test_timing_per_token_and_throughput_match_the_seed_logs():
     assert step1["global_seqlen/mean"] == total / 4
 
 
+@needs_shared("qwen2_5_vl_3b")
 def test_mfu_of_the_3b_model():
     text = AutoConfig.from_pretrained(SHARED / "qwen2_5_vl_3b").get_text_config()
     flops = metrics.actor_flops(text, [1000])
@@ -94,6 +96,7 @@ def demo_run(demo_base, tmp_path_factory):
 
 
 @pytest.mark.slow
+@needs_shared("easyr1_geo3k_run")
 def test_every_seed_key_is_logged_with_its_kind(demo_run):
     cfg, path = demo_run
     train_keys, val_keys = seed_keys()

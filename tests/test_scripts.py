@@ -4,7 +4,7 @@ import importlib.util
 
 import pyarrow.parquet as pq
 
-from conftest import ROOT, SHARED
+from conftest import ROOT, SHARED, needs_shared
 from vlgrpo.data.sources import load_split
 
 
@@ -15,6 +15,7 @@ def load_script(name):
     return module
 
 
+@needs_shared("geometry3k")
 def test_prepare_geometry3k_saves_each_split_as_the_recipe_reads_it(tmp_path):
     hub = tmp_path / "hub"  # a dataset folder as the hub serves it: one parquet file per split
     hub.mkdir()

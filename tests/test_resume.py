@@ -146,8 +146,14 @@ def test_in_process_validation_is_keyed_on_the_resolved_file_not_the_device_valu
     t.load(0)
     seen = []
     monkeypatch.setattr(evaluate, "evaluate", lambda c, step, **kw: seen.append(c))
+    t.step(1)
     t.validate(5)
     assert seen == [cfg]  # the settings as the file holds them, `auto` kept
+    # Generation gets the memory the segment no longer needs; the optimizer state only where no
+    # checkpoint write still reads it (under torchrun it was gathered onto the host first).
+    assert t.ref is None and t.optimizer.state and all(p.grad is None for p in t.policy.parameters())
+    t.validate(5, keep_optimizer=False)
+    assert not t.optimizer.state
 
 
 def test_nonfinite_update_is_skipped_then_aborts(demo_base, tmp_path, monkeypatch):

@@ -270,10 +270,12 @@ class PendingSave:
     `publish(written)` (collectives when distributed) runs behind it in one process, else in the thread
     that calls result(), as collectives must: there every rank learns whether rank 0 wrote the files
     (publish returns None where it did not), so none waits for a rank 0 that failed. result() waits until
-    the checkpoint is published (raising what failed) and returns its folder; seconds: the whole save."""
+    the checkpoint is published (raising what failed) and returns its folder; seconds: the whole save.
+    in_place: the writer reads the model's and optimizer's own tensors (one process): keep them till then."""
 
     def __init__(self, write: Callable[[], None], publish: Callable[[bool], Path | None], publish_behind: bool):
         self.seconds = 0.0
+        self.in_place = publish_behind
         self._start, self._final = time.perf_counter(), None
         self._publish = None if publish_behind else publish  # left for result()
 

@@ -196,10 +196,15 @@ class GRPOTrainer:
         kill = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if self.faults.fires("kill_in_save", step) else None
         return self.store.save_behind(step, self.policy, self.optimizer, self.processor, state, kill, after_publish)
 
-    def validate(self, step: int) -> dict | None:
+    def validate(self, step: int, keep_optimizer: bool = True) -> dict | None:
         """Validate checkpoint `step` with the policy in memory (as the evaluate rule would, written
-        aside for it to adopt); None if validation failed: the checkpoint stands, the rule validates it."""
-        self.optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free for generation
+        aside for it to adopt); None if validation failed: the checkpoint stands, the rule validates it.
+        A segment's last act: the reference model, the gradients and (unless a checkpoint being written
+        still reads it) the optimizer state are freed first, for generation's memory."""
+        self.ref = None
+        if not keep_optimizer:
+            self.optimizer.state.clear()
+        self.optimizer.zero_grad(set_to_none=True)
         try:
             return evaluate.evaluate(self.settings, step, model=self.policy, engine=self.engine, in_process=True)
         except Exception:
@@ -442,7 +447,7 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
         trainer.heartbeat.beat()
         if end_step in plan.validation_steps(cfg, trainer.total_steps):
             with timer(times, "validation"):
-                validation = trainer.validate(end_step)
+                validation = trainer.validate(end_step, keep_optimizer=saving.in_place)
             trainer.heartbeat.beat()
         with timer(times, "save_checkpoint"):
             saving.result()

@@ -9,6 +9,7 @@ import re
 import shutil
 from pathlib import Path
 
+import datasets
 import jinja2
 import numpy as np
 import pyarrow as pa
@@ -343,7 +344,7 @@ def test_load_split_hub_id_goes_to_datasets(monkeypatch):
         calls.append((name, split))
         raise ConnectionError("offline")
 
-    monkeypatch.setattr(sources.datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     with pytest.raises(DataError, match="cannot load data 'hiyouga/geometry3k@test\\[:10\\]'.*offline"):
         load_split("hiyouga/geometry3k@test[:10]", "images", "problem", "answer")
     assert calls == [("hiyouga/geometry3k", "test[:10]")]

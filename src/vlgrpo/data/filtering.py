@@ -16,9 +16,8 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -39,6 +38,9 @@ from vlgrpo.data.prompts import IMAGE_PLACEHOLDER, count_prompt_tokens, format_t
 from vlgrpo.data.sources import load_processor, load_split
 from vlgrpo.errors import DataError
 
+if TYPE_CHECKING:
+    import datasets
+
 log = logging.getLogger(__name__)
 
 # Why a row is dropped; a dropped row counts under the first check it fails.
@@ -56,17 +58,24 @@ DROP_REASONS = (
 )
 DROPPED_ROWS_LISTED = 20  # source indices listed per reason in the stats, to trace drops
 
-OUTPUT_FEATURES = datasets.Features(
-    {
-        "index": datasets.Value("int64"),
-        "images": datasets.List(datasets.Image()),
-        "problem": datasets.Value("string"),
-        "answer": datasets.Value("string"),
-        "prompt": datasets.Value("string"),
-        "prompt_length": datasets.Value("int64"),
-        "image_tokens": datasets.Value("int64"),
-    }
-)
+
+def output_schema() -> pa.Schema:
+    """The filtered parquet's schema, with datasets' feature metadata (load_dataset reads its images
+    back as images). datasets is imported here, not at the top: training and evaluation read filtered
+    splits without it, and every segment job's start would pay for its import."""
+    import datasets
+
+    return datasets.Features(
+        {
+            "index": datasets.Value("int64"),
+            "images": datasets.List(datasets.Image()),
+            "problem": datasets.Value("string"),
+            "answer": datasets.Value("string"),
+            "prompt": datasets.Value("string"),
+            "prompt_length": datasets.Value("int64"),
+            "image_tokens": datasets.Value("int64"),
+        }
+    ).arrow_schema
 
 
 @dataclass(frozen=True)
@@ -288,7 +297,7 @@ def filter_split(
         "rollout_batch_size": batch_size,
         "steps_per_epoch": len(kept) // batch_size,  # drop_last
     }
-    table = pa.Table.from_pylist(kept, schema=OUTPUT_FEATURES.arrow_schema)
+    table = pa.Table.from_pylist(kept, schema=output_schema())
     with atomic.replacing(out_parquet) as tmp:
         pq.write_table(table, tmp)
     atomic.write_text(out_stats, json.dumps(stats, indent=2) + "\n")

@@ -7,12 +7,15 @@ import os
 import re
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 from transformers import AutoProcessor, ProcessorMixin
 
 from vlgrpo.data.images import IMAGE_FACTOR
 from vlgrpo.errors import DataError
+
+if TYPE_CHECKING:
+    import datasets
 
 MODEL_TYPES = ("qwen2_5_vl",)
 
@@ -56,6 +59,8 @@ def load_split(spec: str, image_key: str, prompt_key: str, answer_key: str) -> d
     Raises FileNotFoundError for a missing local path and DataError for a bad spec, an unreadable
     source, or a missing column (naming it and the columns there are).
     """
+    import datasets  # here: training and evaluation load the processor from this module without it
+
     source = _parse_source(spec)
     try:
         if isinstance(source, list):

@@ -7,6 +7,8 @@ import json
 import math
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
@@ -348,6 +350,13 @@ def test_load_split_hub_id_goes_to_datasets(monkeypatch):
     with pytest.raises(DataError, match="cannot load data 'hiyouga/geometry3k@test\\[:10\\]'.*offline"):
         load_split("hiyouga/geometry3k@test[:10]", "images", "problem", "answer")
     assert calls == [("hiyouga/geometry3k", "test[:10]")]
+
+
+def test_training_and_evaluation_start_without_importing_datasets():
+    """Only the filter stage loads through datasets; every segment and evaluate job would pay its import."""
+    code = "import sys, vlgrpo.trainer, vlgrpo.evaluate; print('datasets' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_model_path_errors(tmp_path):

@@ -87,6 +87,9 @@ def test_segments_and_validations_log_into_one_wandb_run_offline(tmp_path, monke
     second = Tracker(cfg, exp)  # segment 2
     second.log({"step": 2, "reward/overall": 0.6})
     second.close()
+    import wandb
+
+    wandb.teardown()  # as at a job's exit: the service flushes every transaction log before we read them
 
     run_id = (exp / "wandb_run_id").read_text().strip()
     assert first.run_id == second.run_id == run_id
@@ -95,6 +98,8 @@ def test_segments_and_validations_log_into_one_wandb_run_offline(tmp_path, monke
     history, axes = [], set()
     for run in runs:
         records = list(wandb_records(run / f"run-{run_id}.wandb"))
+        kinds = [r.WhichOneof("record_type") for r in records]
+        assert kinds[-1:] == ["exit"], f"{run.name} holds {kinds}"  # the whole log, to its end
         assert {r.run.run_id for r in records if r.WhichOneof("record_type") == "run"} == {run_id}
         axes |= {(r.metric.name or r.metric.glob_name, r.metric.step_metric) for r in records if r.WhichOneof("record_type") == "metric"}
         for r in records:

@@ -152,3 +152,31 @@ def test_a_save_behind_publishes_only_when_written_and_a_failure_keeps_the_previ
     with pytest.raises(OSError, match="disk full"):
         store.save_behind(20, model, optimizer, None, {"config_hash": "x"}, before_publish=fail).result()
     assert store.latest() == 15 and not store.path(20).exists()
+
+
+def test_checksums_of_pieces_combine_into_the_files_and_cover_it_once():
+    """Under FSDP2 each rank checksums the bytes it wrote; their CRC-32s combine into the whole file's
+    (zlib's crc32_combine), and a byte written by no rank or by two is an error."""
+    import random
+    import zlib
+    from pathlib import Path
+
+    from vlgrpo.checkpoint import _check_ranges, crc32_combine
+
+    rng = random.Random(0)
+    data = rng.randbytes(100_003)
+    for _ in range(20):
+        cut = sorted(rng.sample(range(1, len(data)), 5))
+        pieces = list(zip([0, *cut], [*cut, len(data)]))
+        rng.shuffle(pieces)  # ranks report in any order
+        ranges = [(a, b - a, zlib.crc32(data[a:b])) for a, b in pieces]
+        assert _check_ranges(Path("f"), ranges, len(data)) == zlib.crc32(data)
+    assert crc32_combine(zlib.crc32(b"abc"), zlib.crc32(b""), 0) == zlib.crc32(b"abc")
+    assert crc32_combine(0, zlib.crc32(b"xyz"), 3) == zlib.crc32(b"xyz")
+    whole = [(0, 10, zlib.crc32(data[:10])), (10, 10, zlib.crc32(data[10:20]))]
+    with pytest.raises(CheckpointError, match="bytes 10..12 were handled by no process"):
+        _check_ranges(Path("f"), [whole[0], (12, 8, 0)], 20)
+    with pytest.raises(CheckpointError, match="bytes 8..10 were handled twice"):
+        _check_ranges(Path("f"), [whole[0], (8, 12, 0)], 20)
+    with pytest.raises(CheckpointError, match="20 of its 30 bytes"):
+        _check_ranges(Path("f"), whole, 30)

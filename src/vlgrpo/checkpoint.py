@@ -10,21 +10,27 @@ Layout under results/<experiment>/checkpoints/:
     global_step_000005/manifest.json  bytes and CRC-32 of every file above
     latest.json                   the tracker: which checkpoint is the latest
 
-Every tensor is stored whole under its parameter's name (the full state dict), so the format does not
-depend on how many processes wrote it. Tensor files are written by a pool of threads (GPU tensors go
-through a small pinned buffer per thread), their CRC-32 computed from the bytes as they are written;
-loading reads each file once, in parallel, straight into the model's and optimizer's tensors, and
-checks the CRC-32 of the bytes it read. A checkpoint is written into a temporary folder, fsynced,
-renamed, and only then is the tracker replaced atomically (the writing runs behind the segment's
-validation, which only reads the model: save_behind), so a process killed at any moment leaves
-the previous checkpoint and tracker intact; a checkpoint that fails its sizes or checksums at load is
-refused with a message and the previous one is used (restore).
+Every tensor is stored whole under its parameter's name, so the format does not depend on how many
+processes wrote it. Each process writes its own pieces into the files at their offsets, straight from
+the model's and optimizer's tensors: in one process every byte; under FSDP2 each rank the rows of
+the parameters and optimizer state it holds (torch.chunk's split on dim 0), rank 0 the rest, so no
+rank gathers another's. Files are written by a pool of threads (GPU tensors go through a small
+pinned buffer per thread), the CRC-32 of each piece taken from its bytes as they are written, and
+rank 0 combines the pieces' CRC-32s into the file's (they must cover it once). Loading is the same
+in reverse on any number of processes: each reads its pieces once, in parallel, straight into the
+model's and optimizer's tensors, and the CRC-32s of what they read must combine into the manifest's.
+A checkpoint is written into a temporary folder, fsynced, renamed, and only then is the tracker
+replaced atomically (the writing runs behind the segment's validation, which only reads the model:
+save_behind), so a process killed at any moment leaves the previous checkpoint and tracker intact;
+a checkpoint that fails its sizes or checksums at load is refused with a message and the previous
+one is used (restore).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -39,13 +45,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from vlgrpo import atomic, paths, plan
 from vlgrpo.config import experiment_dir
@@ -74,7 +75,7 @@ class CheckpointError(VlgrpoError, RuntimeError):
     pass
 
 
-# --- tensor files: safetensors layout, written and read with their checksum in one pass ---------------
+# --- tensor files: safetensors layout; each process writes and reads its own rows ---------------------
 _local = threading.local()
 
 
@@ -98,8 +99,48 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1).view(torch.uint8)  # a view: the tensor must be contiguous
 
 
-def _write_file(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> dict:
-    """One safetensors file of `tensors`, fsynced; returns its size and the CRC-32 of its bytes."""
+def _piece(t: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """(local tensor, byte offset of its first element in t's data, counted) of what this process holds
+    of `t`. A DTensor sharded on dim 0 (FSDP2's parameters and optimizer state): its own rows, at the
+    offset torch.chunk gives them, counted by the process that holds them. Any other tensor: whole, on
+    every process, counted (written, and its bytes checksummed) by rank 0 only."""
+    if not isinstance(t, DTensor):
+        return t.detach(), 0, _is_rank0()
+    local = t.to_local().detach()
+    if t.placements == (Replicate(),):
+        return local, 0, _is_rank0()
+    if t.placements != (Shard(0),):
+        raise CheckpointError(f"a tensor placed as {t.placements} on {t.device_mesh}: only Shard(0) (FSDP2) or Replicate")
+    rows = t.shape[0]
+    first, count = _my_rows(rows, t.device_mesh)
+    if local.shape[0] != count:
+        raise CheckpointError(f"a shard of {local.shape[0]} rows of {rows}: not FSDP2's torch.chunk layout")
+    return local, first * (t.nbytes // max(rows, 1)), True
+
+
+def _my_rows(rows: int, mesh) -> tuple[int, int]:
+    """(first row, row count) of this process's Shard(0) piece of `rows` rows over a 1-D mesh, as
+    torch.chunk splits them (FSDP2 and DTensor both do): ceil(rows / size) each, the last ones short."""
+    chunk = -(-rows // mesh.size())
+    first = min(rows, mesh.get_local_rank() * chunk)
+    return first, min(rows, first + chunk) - first
+
+
+def _empty_placed_as(param: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """An empty tensor of global `shape` on `param`'s device; a DTensor of this process's rows when
+    `param` is sharded (the optimizer state of an FSDP2 parameter), so a load reads only those."""
+    if not isinstance(param, DTensor) or not shape:
+        return torch.empty(shape, dtype=dtype, device=param.device)
+    local = list(shape)
+    if param.placements == (Shard(0),):
+        local[0] = _my_rows(shape[0], param.device_mesh)[1]
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(torch.empty(local, dtype=dtype, device=param.to_local().device), param.device_mesh,
+                              param.placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _layout(tensors: list[tuple[str, torch.Tensor]]) -> tuple[bytes, list[int], int]:
+    """A safetensors file of `tensors` (global shapes): its header bytes, each tensor's file offset, its size."""
     header, offset = {}, 0
     for name, t in tensors:
         header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
@@ -108,27 +149,49 @@ def _write_file(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> dict:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     head = struct.pack("<Q", len(raw)) + raw
-    crc = zlib.crc32(head)
-    with open(path, "wb") as f:
-        f.write(head)
-        for _, t in tensors:
-            flat = _bytes_of(t.contiguous())
+    starts = [len(head) + e["data_offsets"][0] for name, e in header.items() if name != "__metadata__"]
+    return head, starts, len(head) + offset
+
+
+def _add_range(ranges: list, offset: int, data: memoryview) -> None:
+    """Extend the CRC-32 of `ranges` (sorted (offset, length, crc) of bytes handled) with `data` at `offset`."""
+    if not data.nbytes:
+        return  # an empty piece (a rank past a short tensor's last row) covers nothing
+    if ranges and sum(ranges[-1][:2]) == offset:
+        first, length, crc = ranges.pop()
+    else:
+        first, length, crc = offset, 0, 0
+    ranges.append((first, length + data.nbytes, zlib.crc32(data, crc)))
+
+
+def _write_pieces(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[int, int, int]]:
+    """Write this process's pieces of `tensors` into `path` (rank 0 made it with its header and size)
+    and fsync; return the (offset, length, CRC-32) ranges of the bytes written."""
+    head, starts, _ = _layout(tensors)
+    ranges: list = [(0, len(head), zlib.crc32(head))] if _is_rank0() else []
+    with open(path, "r+b") as f:
+        for (name, t), start in zip(tensors, starts):
+            local, offset, counted = _piece(t)
+            if not counted:
+                continue
+            flat = _bytes_of(local.contiguous())
+            f.seek(start + offset)
             if flat.device.type == "cpu":
                 chunk = memoryview(flat.numpy())
                 f.write(chunk)
-                crc = zlib.crc32(chunk, crc)
+                _add_range(ranges, start + offset, chunk)
                 continue
             buffer = _pinned()
-            for start in range(0, flat.numel(), CHUNK):
-                n = min(CHUNK, flat.numel() - start)
+            for first in range(0, flat.numel(), CHUNK):
+                n = min(CHUNK, flat.numel() - first)
                 with torch.cuda.stream(_stream(flat.device)):
-                    buffer[:n].copy_(flat[start : start + n])  # synchronous: waits for this stream only
+                    buffer[:n].copy_(flat[first : first + n])  # synchronous: waits for this stream only
                 chunk = memoryview(buffer[:n].numpy())
                 f.write(chunk)
-                crc = zlib.crc32(chunk, crc)
+                _add_range(ranges, start + offset + first, chunk)
         f.flush()
         os.fsync(f.fileno())
-    return {"bytes": len(head) + offset, "crc32": crc}
+    return ranges
 
 
 def _readinto(f, view: memoryview) -> None:
@@ -139,44 +202,105 @@ def _readinto(f, view: memoryview) -> None:
         view = view[n:]
 
 
-def _read_file(path: Path, want: dict, target: Callable[[str, torch.dtype, list[int]], torch.Tensor]) -> None:
-    """Read a tensor file once into target(name, dtype, shape) tensors, checking size and CRC-32."""
+def _read_pieces(path: Path, target: Callable[[str, torch.dtype, list[int]], torch.Tensor]) -> list[tuple[int, int, int]]:
+    """Read this process's pieces of the tensors of `path` into target(name, dtype, shape) (a DTensor
+    receives its own rows); return the (offset, length, CRC-32) ranges of the bytes it counted."""
+    ranges: list = []
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        if size != want["bytes"]:
-            raise CheckpointError(f"{path} has {size} bytes, its manifest says {want['bytes']} (truncated?)")
         head = f.read(8)
-        (length,) = struct.unpack("<Q", head)
-        if length > size - 8:
+        if len(head) < 8 or struct.unpack("<Q", head)[0] > size - 8:
             raise CheckpointError(f"{path} has a corrupt header")
+        (length,) = struct.unpack("<Q", head)
         raw = f.read(length)
-        crc = zlib.crc32(raw, zlib.crc32(head))
+        if _is_rank0():
+            _add_range(ranges, 0, memoryview(head + raw))
         try:
             header = json.loads(raw)
             header.pop("__metadata__", None)
             entries = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
-            specs = [(name, TORCH_DTYPES[e["dtype"]], e["shape"], e["data_offsets"][1] - e["data_offsets"][0]) for name, e in entries]
+            specs = [(name, TORCH_DTYPES[e["dtype"]], e["shape"], e["data_offsets"]) for name, e in entries]
         except (ValueError, KeyError, TypeError, IndexError) as e:
             raise CheckpointError(f"{path} has a corrupt header ({e})") from None
-        for name, dtype, shape, nbytes in specs:
+        for name, dtype, shape, (begin, end) in specs:
             dest = target(name, dtype, shape)
-            if dest.dtype != dtype or list(dest.shape) != list(shape) or dest.nbytes != nbytes:
+            if dest.dtype != dtype or list(dest.shape) != list(shape) or dest.nbytes != end - begin:
                 raise CheckpointError(f"{path}: {name} is {dtype} {shape} in the file, the model has {dest.dtype} {list(dest.shape)}")
-            flat = _bytes_of(dest)
+            local, offset, counted = _piece(dest)
+            if not local.is_contiguous():
+                raise CheckpointError(f"{name}: this model holds it in a non-contiguous tensor")
+            flat = _bytes_of(local)
+            at = 8 + length + begin + offset
+            f.seek(at)
             if flat.device.type == "cpu":
                 view = memoryview(flat.numpy())
                 _readinto(f, view)
-                crc = zlib.crc32(view, crc)
+                if counted:
+                    _add_range(ranges, at, view)
                 continue
             buffer = _pinned()
-            for start in range(0, flat.numel(), CHUNK):
-                n = min(CHUNK, flat.numel() - start)
+            for first in range(0, flat.numel(), CHUNK):
+                n = min(CHUNK, flat.numel() - first)
                 view = memoryview(buffer[:n].numpy())
                 _readinto(f, view)
-                crc = zlib.crc32(view, crc)
-                flat[start : start + n].copy_(buffer[:n])  # synchronous: the buffer is reused next
-    if crc != want["crc32"]:
-        raise CheckpointError(f"{path} does not match its checksum")
+                if counted:
+                    _add_range(ranges, at + first, view)
+                flat[first : first + n].copy_(buffer[:n])  # synchronous: the buffer is reused next
+    return ranges
+
+
+def _check_ranges(path: Path, ranges: list[tuple[int, int, int]], size: int) -> int:
+    """The CRC-32 of file `path` from the (offset, length, crc) ranges that every process handled,
+    which must cover its `size` bytes once each."""
+    crc, end = 0, 0
+    for offset, length, part in sorted(ranges):
+        if offset != end:
+            raise CheckpointError(f"{path}: bytes {min(offset, end)}..{max(offset, end)} were "
+                                  f"{'handled twice' if offset < end else 'handled by no process'}")
+        crc, end = crc32_combine(crc, part, length), end + length
+    if end != size:
+        raise CheckpointError(f"{path}: {end} of its {size} bytes were handled")
+    return crc
+
+
+# CRC-32 of two concatenated byte strings from theirs (zlib's crc32_combine, which Python's zlib lacks):
+# crc(A+B) = crc(A) * x^(8 len(B)) + crc(B) over GF(2) modulo the CRC-32 polynomial (reflected bits).
+_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the polynomial (a nonzero)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shift(length: int) -> int:
+    """x^(8 length) modulo the polynomial: the product of x^(2^k) over the bits of 8 length (the
+    pieces of a sharded checkpoint come in few distinct lengths: one per layer shape)."""
+    p, k = 1 << 31, 3  # p = x^0
+    while length:
+        if length & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        length >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """zlib.crc32(A + B) from crc1 = zlib.crc32(A), crc2 = zlib.crc32(B) and len2 = len(B)."""
+    return _multmodp(_shift(len2), crc1) ^ crc2
 
 
 def _crc_of_file(path: Path) -> int:
@@ -198,35 +322,17 @@ def _groups(tensors: dict[str, torch.Tensor], count: int) -> list[list[tuple[str
     return groups
 
 
-# --- what is saved: full state dicts by parameter name ------------------------------------------------
-def _options() -> StateDictOptions:
-    """Full (unsharded) tensors on rank 0 when distributed: the files do not depend on the world size."""
-    distributed = dist.is_initialized()
-    return StateDictOptions(full_state_dict=distributed, cpu_offload=distributed, broadcast_from_rank0=distributed)
-
-
+# --- what is saved: state dicts by parameter name --------------------------------------------------
 def model_tensors(model) -> dict[str, torch.Tensor]:
-    """The model's saved tensors by name; tied aliases (lm_head = embeddings) left out, as save_pretrained does."""
+    """The model's saved tensors by name (DTensors when FSDP2 shards it: the parameters themselves);
+    tied aliases (lm_head = embeddings) left out, as save_pretrained does."""
     unique = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-    return {k: v for k, v in get_model_state_dict(model, options=_options()).items() if k in unique}
-
-
-def tied_aliases(model) -> dict[str, str]:
-    """{alias: name} of parameters that are another's (lm_head.weight -> the embeddings): saved once."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return aliases
+    return {k: v for k, v in get_model_state_dict(model).items() if k in unique}
 
 
 def optimizer_state(model, optimizer) -> dict:
-    """{"state": {param name: {key: value}}, "param_groups": [... "params": [param names]]}."""
-    if dist.is_initialized():
-        return get_optimizer_state_dict(model, optimizer, options=_options())
+    """{"state": {param name: {key: value}}, "param_groups": [... "params": [param names]]}: the
+    optimizer's own tensors (DTensors for FSDP2's parameters), not copies."""
     names = {id(p): n for n, p in model.named_parameters()}
     fqn = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]  # state_dict()'s numbering
     sd = optimizer.state_dict()
@@ -235,9 +341,6 @@ def optimizer_state(model, optimizer) -> dict:
 
 
 def load_optimizer_state(model, optimizer, osd: dict) -> None:
-    if dist.is_initialized():
-        set_optimizer_state_dict(model, optimizer, osd, options=_options())
-        return
     names = {id(p): n for n, p in model.named_parameters()}
     index = {names[id(p)]: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
     try:
@@ -247,6 +350,21 @@ def load_optimizer_state(model, optimizer, osd: dict) -> None:
         raise CheckpointError(f"the optimizer state does not fit this model's trainable parameters ({e})") from None
 
 
+def _optimizer_tensors(osd: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """The optimizer state's tensors by file name (`state/<param>/<key>`, and `rng/torch`), and optim.json:
+    param groups, the scalar state, and where each tensor belongs (with its parameter, or on the host)."""
+    tensors, scalars, devices = {"rng/torch": torch.get_rng_state()}, {}, {}
+    for name, values in osd["state"].items():
+        for key, value in values.items():
+            if torch.is_tensor(value):
+                tensors[f"state/{name}/{key}"] = value
+                on_param = isinstance(value, DTensor) or value.device.type != "cpu"
+                devices[f"state/{name}/{key}"] = "param" if on_param else "cpu"
+            else:
+                scalars.setdefault(name, {})[key] = value
+    return tensors, {"param_groups": osd["param_groups"], "scalars": scalars, "devices": devices}
+
+
 def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -254,6 +372,15 @@ def _is_rank0() -> bool:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _from_all(value) -> list:
+    """`value` of every process, in rank order (a collective); [value] in one process."""
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def _from_rank0(value):
@@ -266,16 +393,16 @@ def _from_rank0(value):
 
 
 class PendingSave:
-    """A checkpoint being saved: `write` (files only, no collectives) runs on a background thread;
-    `publish(written)` (collectives when distributed) runs behind it in one process, else in the thread
-    that calls result(), as collectives must: there every rank learns whether rank 0 wrote the files
-    (publish returns None where it did not), so none waits for a rank 0 that failed. result() waits until
-    the checkpoint is published (raising what failed) and returns its folder; seconds: the whole save.
-    in_place: the writer reads the model's and optimizer's own tensors (one process): keep them till then."""
+    """A checkpoint being saved. `write` (this process's pieces of the files; no collectives) runs on a
+    background thread and reads the model's and optimizer's own tensors: the caller keeps them unchanged
+    until result(). `publish(written)` (collectives when distributed) runs behind it in one process,
+    else in the thread that calls result(), as collectives must: there every process learns whether all
+    of them wrote their pieces (publish raises CheckpointError naming those that did not), so none
+    waits for one that failed. result() waits until the checkpoint is published (raising what failed)
+    and returns its folder; seconds: the whole save."""
 
-    def __init__(self, write: Callable[[], None], publish: Callable[[bool], Path | None], publish_behind: bool):
+    def __init__(self, write: Callable[[], None], publish: Callable[[bool], Path], publish_behind: bool):
         self.seconds = 0.0
-        self.in_place = publish_behind
         self._start, self._final = time.perf_counter(), None
         self._publish = None if publish_behind else publish  # left for result()
 
@@ -294,9 +421,12 @@ class PendingSave:
                     self._final = self._future.result()
                 else:
                     error = self._future.exception()
-                    self._final = self._publish(error is None)
-                    if self._final is None:
-                        raise error or CheckpointError("rank 0 could not write the checkpoint (its log says why)")
+                    try:
+                        self._final = self._publish(error is None)
+                    except CheckpointError:
+                        if error is not None:  # this process's own failure says more
+                            raise error from None
+                        raise
             finally:
                 self.seconds = time.perf_counter() - self._start
         return self._final
@@ -333,79 +463,98 @@ class CheckpointStore:
                     after_publish: Callable | None = None) -> PendingSave:
         """Start saving checkpoint `step`; its result() is the folder, once the tracker names it.
 
-        A background thread writes and fsyncs the tensor files while the caller goes on (a segment
-        validates meanwhile). In one process it reads the model's and optimizer's tensors in place (the
-        caller must not change them before result()), GPU tensors copied on the writer threads' own CUDA
-        streams, and publishes too. Several processes first gather full tensors onto rank 0's host (a
-        collective, here), rank 0 writes them behind, and result() publishes between barriers.
+        A background thread in each process writes its pieces of the tensor files while the caller goes
+        on (a segment validates meanwhile), straight from the model's and optimizer's own tensors (the
+        caller must not change them before result()), GPU tensors copied on the writer threads' own
+        CUDA streams: in one process every byte; under FSDP2 each rank its own rows, and rank 0 the
+        tensors that are not sharded, so no rank gathers another's. First, here, rank 0 writes the small
+        files and makes the tensor files at their size (a collective). One process publishes in the
+        thread too; several publish in result(): rank 0 combines every rank's checksums into the
+        manifest and renames the folder, and the other ranks wait for it.
         after_publish: run once the new checkpoint is published (retention).
         """
         tmp = self.root / f".tmp_{step_dir_name(step)}"
-        weights, osd = model_tensors(model), optimizer_state(model, optimizer)
-        files = self._stage(tmp, step, model, processor, weights, osd, state) if _is_rank0() else {}
+        weights = model_tensors(model)
+        tensors, meta = _optimizer_tensors(optimizer_state(model, optimizer))
+        files = self._files(weights, tensors)
+        if _is_rank0():
+            self._stage(tmp, step, model, processor, weights, meta, state, files)
+        _barrier()  # the files exist, at their size, before any rank writes into them
+        order = sorted(files, key=lambda f: -sum(t.nbytes for _, t in files[f]))  # largest first
+        ranges: dict[str, list] = {}
 
         def write() -> None:
-            if _is_rank0():
-                self._write(tmp, files)
-                if before_publish is not None:
-                    before_publish()
+            with ThreadPoolExecutor(self.threads) as pool:
+                ranges.update(zip(order, pool.map(lambda f: _write_pieces(tmp / f, files[f]), order)))
+            if before_publish is not None and _is_rank0():
+                before_publish()
 
-        def publish(written: bool) -> Path | None:
-            if not _from_rank0(written):
-                return None
-            final = self.path(step)
+        def publish(written: bool) -> Path:
+            reports = _from_all(ranges if written else None)
+            failed = [str(r) for r, report in enumerate(reports) if report is None]
+            if failed:
+                raise CheckpointError(f"rank {', '.join(failed)} could not write the checkpoint (its log says why)")
+            final, error = self.path(step), None
             if _is_rank0():
-                self._publish(tmp, final, step)
-            _barrier()
+                try:
+                    self._finish(tmp, {f: [r for report in reports for r in report[f]] for f in files})
+                    self._publish(tmp, final, step)
+                except Exception as e:
+                    error = e
+            message = _from_rank0(None if error is None else f"{type(error).__name__}: {error}")  # also a barrier
+            if error is not None:
+                raise error
+            if message is not None:
+                raise CheckpointError(f"rank 0 could not publish the checkpoint ({message})")
             if after_publish is not None and _is_rank0():
                 after_publish()
             return final
 
-        for device in {t.device for group in files.values() for _, t in group if t.is_cuda}:
+        for device in {t.device for group in files.values() for _, t in group if t.device.type == "cuda"}:
             torch.cuda.synchronize(device)  # the writers' streams see the caller's last updates
         return PendingSave(write, publish, publish_behind=not dist.is_initialized())
 
-    def _stage(self, tmp: Path, step: int, model, processor, weights: dict, osd: dict, state: dict) -> dict:
-        """The small files of checkpoint `step` written into `tmp`; {relative path: tensors} of the big ones."""
+    def _files(self, weights: dict, tensors: dict) -> dict[str, list[tuple[str, torch.Tensor]]]:
+        """{relative path: [(name, tensor)]} of the tensor files, as rank 0 groups them (every rank must
+        lay the files out alike, and the writer threads may differ between nodes)."""
+        names = None
+        if _is_rank0():
+            names = {}
+            for prefix, part in (("model/model", weights), ("optim/optim", tensors)):
+                groups = _groups(part, self.threads)
+                for i, group in enumerate(groups):
+                    names[f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors"] = [name for name, _ in group]
+        every = {**weights, **tensors}
+        return {f: [(name, every[name]) for name in group] for f, group in _from_rank0(names).items()}
+
+    def _stage(self, tmp: Path, step: int, model, processor, weights: dict, meta: dict, state: dict, files: dict) -> None:
+        """The small files of checkpoint `step` written into `tmp`, and its tensor files made with their
+        header at their full size, for every rank to write its pieces into."""
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "model").mkdir(parents=True)
         (tmp / "optim").mkdir()
         for part in (getattr(model, "config", None), getattr(model, "generation_config", None), processor):
             if part is not None:  # a Hugging Face model and processor: the folder loads with from_pretrained
                 part.save_pretrained(tmp / "model")
-        tensors, scalars, devices = {"rng/torch": torch.get_rng_state()}, {}, {}
-        for name, values in osd["state"].items():
-            for key, value in values.items():
-                if torch.is_tensor(value):
-                    tensors[f"state/{name}/{key}"] = value
-                    # Gathered state comes to the host (cpu_offload); per-parameter tensors belong with their parameter.
-                    on_param = value.device.type != "cpu" or (dist.is_initialized() and value.dim() > 0)
-                    devices[f"state/{name}/{key}"] = "param" if on_param else "cpu"
-                else:
-                    scalars.setdefault(name, {})[key] = value
-        atomic.write_json(tmp / "optim" / OPTIM_JSON, {"param_groups": osd["param_groups"], "scalars": scalars, "devices": devices})
+        atomic.write_json(tmp / "optim" / OPTIM_JSON, meta)
         atomic.write_json(tmp / STATE, {**state, "step": step})
-        files = {}  # relative path -> tensors
-        model_groups = _groups(weights, self.threads)
-        for i, group in enumerate(model_groups):
-            files[f"model/model-{i + 1:05d}-of-{len(model_groups):05d}.safetensors"] = group
-        optim_groups = _groups(tensors, self.threads)
-        for i, group in enumerate(optim_groups):
-            files[f"optim/optim-{i + 1:05d}-of-{len(optim_groups):05d}.safetensors"] = group
         index = {"metadata": {"total_size": sum(t.nbytes for t in weights.values())},
                  "weight_map": {name: Path(f).name for f, group in files.items() if f.startswith("model/") for name, _ in group}}
         atomic.write_json(tmp / "model" / "model.safetensors.index.json", index)
-        return files
+        for f, group in files.items():
+            head, _, size = _layout(group)
+            with open(tmp / f, "wb") as out:
+                out.write(head)
+                out.truncate(size)
 
-    def _write(self, tmp: Path, files: dict) -> None:
-        """The tensor files in parallel, then the manifest of every file in `tmp`; all fsynced."""
-        order = sorted(files, key=lambda f: -sum(t.nbytes for _, t in files[f]))  # largest first
-        with ThreadPoolExecutor(self.threads) as pool:
-            written = dict(zip(order, pool.map(lambda f: _write_file(tmp / f, files[f]), order)))
+    def _finish(self, tmp: Path, ranges: dict[str, list]) -> None:
+        """The manifest of every file in `tmp` (a tensor file's CRC-32 combined from the ranges every
+        rank wrote, which must cover it), then everything fsynced."""
         manifest = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            name = str(path.relative_to(tmp))
-            manifest[name] = written.get(name) or {"bytes": path.stat().st_size, "crc32": _crc_of_file(path)}
+            name, size = str(path.relative_to(tmp)), path.stat().st_size
+            crc = _check_ranges(path, ranges[name], size) if name in ranges else _crc_of_file(path)
+            manifest[name] = {"bytes": size, "crc32": crc}
         atomic.write_json(tmp / MANIFEST, manifest)
         atomic.fsync_tree(tmp)
 
@@ -442,16 +591,19 @@ class CheckpointStore:
     def load(self, step: int, model, optimizer=None) -> dict:
         """Load checkpoint `step` into `model` (and `optimizer`, and the torch RNG); return its state.
 
-        Every file is read once and checked against its manifest entry; CheckpointError on any
-        mismatch (the model and optimizer are then partly overwritten: load another checkpoint).
+        Each process reads its pieces straight into the model's own tensors (under FSDP2 each rank its
+        rows, whatever the number of ranks that wrote the checkpoint; a tensor that is not sharded, on
+        every rank) and the optimizer's, once; the CRC-32 of every file, combined from what the ranks
+        read, and every size are checked against the manifest, and every rank refuses the checkpoint
+        or none does: CheckpointError on any mismatch (the model and optimizer are then partly
+        overwritten: load another checkpoint).
         """
         manifest = self._manifest(step)
         state = json.loads(self._small_file(step, STATE, manifest))
         for name in manifest:
             if not name.endswith(".safetensors"):
                 self._small_file(step, name, manifest)  # config, processor, index, optim.json: small
-        distributed = dist.is_initialized()  # rank 0 reads full tensors into host memory and broadcasts them
-        model_targets = {} if distributed else {k: v.detach() for k, v in model_tensors(model).items()}
+        model_targets = {k: v.detach() for k, v in model_tensors(model).items()}
         meta = json.loads((self.path(step) / "optim" / OPTIM_JSON).read_text()) if optimizer is not None else {}
         params = dict(model.named_parameters())
         optim_tensors: dict[str, torch.Tensor] = {}
@@ -461,42 +613,42 @@ class CheckpointStore:
             read.add(name)
             if name.startswith(("state/", "rng/")):
                 param = params.get(name.split("/")[1]) if name.startswith("state/") else None
-                if name.startswith("state/") and param is None and not distributed:
+                if name.startswith("state/") and param is None:
                     raise CheckpointError(f"optimizer state {name} names no parameter of this model")
-                on_param = meta["devices"].get(name) == "param" and param is not None and not distributed  # full state stays on the host
-                optim_tensors[name] = torch.empty(shape, dtype=dtype, device=param.device if on_param else "cpu")
+                # With its parameter (sharded as it is): what was saved there, and anything of its shape.
+                on_param = param is not None and (meta["devices"].get(name) == "param" or list(shape) == list(param.shape))
+                optim_tensors[name] = _empty_placed_as(param, dtype, shape) if on_param else torch.empty(shape, dtype=dtype)
                 return optim_tensors[name]
-            if distributed:
-                model_targets[name] = torch.empty(shape, dtype=dtype)
             if name not in model_targets:
                 raise CheckpointError(f"{self.path(step)} holds {name}, which this model does not have")
             return model_targets[name]
 
         files = sorted((n for n in manifest if n.endswith(".safetensors")), key=lambda n: -manifest[n]["bytes"])
-        files = [n for n in files if optimizer is not None or n.startswith("model/")] if _is_rank0() else []
-        error = None
+        files = [n for n in files if optimizer is not None or n.startswith("model/")]
+        error, ranges = None, {}
         try:
             with ThreadPoolExecutor(self.threads) as pool:
-                list(pool.map(lambda n: _read_file(self.path(step) / n, manifest[n], target), files))
-            missing = set(model_targets) - read if not distributed else set()
+                ranges = dict(zip(files, pool.map(lambda n: _read_pieces(self.path(step) / n, target), files)))
+            missing = set(model_targets) - read
             if missing:
                 raise CheckpointError(f"{self.path(step)} lacks {len(missing)} model tensors, e.g. {sorted(missing)[:3]}")
-            if distributed and _is_rank0():  # the full state dict names tied parameters under each name
-                model_targets.update({alias: model_targets[name] for alias, name in tied_aliases(model).items()
-                                      if name in model_targets})
         except CheckpointError as e:
             error = str(e)
-        if distributed:  # rank 0 read the files: every rank refuses the checkpoint with it, or none does
-            shared = [error]
-            dist.broadcast_object_list(shared, src=0)
-            error = shared[0]
+        reports = _from_all((error, ranges))
+        error = next((e for e, _ in reports if e is not None), None)
+        if error is None and _is_rank0():
+            try:
+                for n in files:
+                    if _check_ranges(self.path(step) / n, [r for _, got in reports for r in got[n]], manifest[n]["bytes"]) != manifest[n]["crc32"]:
+                        raise CheckpointError(f"{self.path(step) / n} does not match its checksum")
+            except CheckpointError as e:
+                error = str(e)
+        error = _from_rank0(error)  # every rank refuses the checkpoint, or none does
         if error is not None:
             raise CheckpointError(error)
-        if distributed:
-            set_model_state_dict(model, model_targets, options=_options())
         if optimizer is not None:
             osd = {"state": {}, "param_groups": meta["param_groups"]}
-            for name, tensor in optim_tensors.items():
+            for name, tensor in sorted(optim_tensors.items()):  # not the reading threads' order: alike on every rank
                 if name.startswith("state/"):
                     _, param, key = name.split("/", 2)
                     osd["state"].setdefault(param, {})[key] = tensor

@@ -196,14 +196,12 @@ class GRPOTrainer:
         kill = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if self.faults.fires("kill_in_save", step) else None
         return self.store.save_behind(step, self.policy, self.optimizer, self.processor, state, kill, after_publish)
 
-    def validate(self, step: int, keep_optimizer: bool = True) -> dict | None:
+    def validate(self, step: int) -> dict | None:
         """Validate checkpoint `step` with the policy in memory (as the evaluate rule would, written
         aside for it to adopt); None if validation failed: the checkpoint stands, the rule validates it.
-        A segment's last act: the reference model, the gradients and (unless a checkpoint being written
-        still reads it) the optimizer state are freed first, for generation's memory."""
+        A segment's last act: the reference model and the gradients are freed first, for generation's
+        memory (the optimizer state stays: the checkpoint being written behind reads it)."""
         self.ref = None
-        if not keep_optimizer:
-            self.optimizer.state.clear()
         self.optimizer.zero_grad(set_to_none=True)
         try:
             return evaluate.evaluate(self.settings, step, model=self.policy, engine=self.engine, in_process=True)
@@ -440,14 +438,13 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
             apply_retention(cfg, trainer.total_steps, lambda s: val_results.is_validated(cfg, s))
 
         # The checkpoint is written behind the validation, which only reads the model; its time is
-        # what the segment waits for it (under torchrun the gather onto rank 0 included;
-        # timing_s/save_checkpoint_behind: the whole write).
+        # what the segment waits for it (timing_s/save_checkpoint_behind: the whole write).
         with timer(times, "save_checkpoint"):
             saving = trainer.save(end_step, tracker.run_id if rank0 else "", after_publish=retain)
         trainer.heartbeat.beat()
         if end_step in plan.validation_steps(cfg, trainer.total_steps):
             with timer(times, "validation"):
-                validation = trainer.validate(end_step, keep_optimizer=saving.in_place)
+                validation = trainer.validate(end_step)
             trainer.heartbeat.beat()
         with timer(times, "save_checkpoint"):
             saving.result()

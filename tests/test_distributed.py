@@ -353,3 +353,17 @@ def test_each_rank_writes_and_reads_its_own_rows_of_the_whole_tensors(tmp_path):
     for n, p in model.named_parameters():
         assert optimizer.state[p].keys() == state[n].keys()
         assert all(torch.equal(optimizer.state[p][k], state[n][k]) for k in state[n]), n
+
+
+def test_checkpoint_benchmark_saves_and_loads_on_two_ranks(tmp_path):
+    """scripts/bench_checkpoint.py under torchrun: both ranks save and load; rank 0's JSON has the figures."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run([*torchrun(2), str(ROOT / "scripts" / "bench_checkpoint.py"), "--dir", str(tmp_path / "store"),
+                           "--layers", "3", "--width", "64", "--reps", "2", "--out", str(out)],
+                          env={**env(), "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["processes"] == 2 and result["torchrun"] and len(result["reps"]) == 2
+    assert all(0 <= r["save_foreground_s"] <= r["save_s"] and r["load_s"] > 0 for r in result["reps"])
+    assert result["checkpoint_bytes"] > 3 * 64 * 64 * 2 * 3  # weights and both moments, bf16
+    assert CheckpointStore(tmp_path / "store").verify(1) is None

@@ -288,16 +288,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 sys.path.insert(0, sys.argv[2])
-from test_checkpoint import KahanAdamW
-from test_distributed import sharded_model
+from test_distributed import sharded_model, sharded_optimizer
 from vlgrpo.checkpoint import CheckpointStore
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (2,))
 
 def sharded(seed):
-    model = fully_shard(sharded_model(seed), mesh=mesh)
-    return model, KahanAdamW(model.parameters(), lr=1e-2)
+    model = fully_shard(sharded_model(seed, sys.argv[4]), mesh=mesh)
+    return model, sharded_optimizer(model, sys.argv[4])
 
 def full(model, optimizer):
     whole = lambda v: v.full_tensor() if isinstance(v, DTensor) else v
@@ -319,40 +318,55 @@ store.load(2, other, other_optimizer)
 loaded = full(other, other_optimizer)
 same = all(torch.equal(saved[0][n], loaded[0][n]) for n in saved[0]) and all(
     torch.equal(saved[1][n][k], loaded[1][n][k]) for n in saved[1] for k in saved[1][n])
+# torch's AdamW casts loaded state to the parameter's dtype; vlgrpo's optimizers keep what was saved.
+same = same and (sys.argv[4] != "master" or all(saved[1][n][k].dtype == loaded[1][n][k].dtype for n in saved[1] for k in saved[1][n]))
 print(f"rank {dist.get_rank()} reloaded exactly: {same}", flush=True)
 """
 
 
-def sharded_model(seed: int) -> torch.nn.Module:
-    """Rows that two ranks split unevenly (50: 25 + 25; 3: 2 + 1; 1: 1 + none), lm_head tied to the embeddings."""
+def sharded_model(seed: int, optimizer: str) -> torch.nn.Module:
+    """Rows that two ranks split unevenly (50: 25 + 25; 3: 2 + 1; 1: 1 + none), lm_head tied to the
+    embeddings; bf16 for vlgrpo's MasterAdamW (fp32 master weights in its state)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50), torch.nn.Linear(50, 3), torch.nn.Linear(3, 1))
     model[1].weight = model[0].weight
-    return model
+    return model.to(torch.bfloat16) if optimizer == "master" else model
 
 
-def test_each_rank_writes_and_reads_its_own_rows_of_the_whole_tensors(tmp_path):
+def sharded_optimizer(model, optimizer: str) -> torch.optim.Optimizer:
+    from test_checkpoint import KahanAdamW
+    from vlgrpo.optim import MasterAdamW
+
+    if optimizer == "master":
+        return MasterAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+    return KahanAdamW(model.parameters(), lr=1e-2)  # torch's AdamW with a bf16 tensor more
+
+
+@pytest.mark.parametrize("optimizer", ["torch", "master"])
+def test_each_rank_writes_and_reads_its_own_rows_of_the_whole_tensors(tmp_path, optimizer):
     """2 ranks save an FSDP2-sharded model and its optimizer, each writing only its rows (no gather),
-    into files of whole tensors: one process loads them bit for bit as the ranks held them, and the
-    2 ranks read them back exactly."""
+    into files of whole tensors: one process loads them bit for bit as the ranks held them (fp32
+    master weights of bf16 parameters stay fp32), and the 2 ranks read them back exactly."""
     script = tmp_path / "sharded_worker.py"
     script.write_text(SHARDED_WORKER)
-    done = subprocess.run([*torchrun(2), str(script), str(tmp_path / "store"), str(ROOT / "tests"), str(tmp_path / "full.pt")],
-                          env=env(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*torchrun(2), str(script), str(tmp_path / "store"), str(ROOT / "tests"), str(tmp_path / "full.pt"),
+                           optimizer], env=env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 0 reloaded exactly: True" in done.stdout and "rank 1 reloaded exactly: True" in done.stdout
     store = CheckpointStore(tmp_path / "store")
     assert store.verify(2) is None  # the manifest's CRC-32s, combined from both ranks' pieces, are the files'
     weights, state = torch.load(tmp_path / "full.pt")
-    from test_checkpoint import KahanAdamW
-
-    model = sharded_model(1)
-    optimizer = KahanAdamW(model.parameters(), lr=1e-2)
-    store.load(2, model, optimizer)
+    model = sharded_model(1, optimizer)
+    one = sharded_optimizer(model, optimizer)
+    store.load(2, model, one)
     assert all(torch.equal(p.detach(), weights[n]) for n, p in model.named_parameters())
     for n, p in model.named_parameters():
-        assert optimizer.state[p].keys() == state[n].keys()
-        assert all(torch.equal(optimizer.state[p][k], state[n][k]) for k in state[n]), n
+        assert one.state[p].keys() == state[n].keys()
+        for k in state[n]:
+            assert torch.equal(one.state[p][k], state[n][k]), (n, k)
+            assert one.state[p][k].dtype == state[n][k].dtype or optimizer == "torch", (n, k)  # torch casts to the parameter's
+    if optimizer == "master":
+        assert state["0.weight"]["master"].dtype == torch.float32 and weights["0.weight"].dtype == torch.bfloat16
 
 
 def test_checkpoint_benchmark_saves_and_loads_on_two_ranks(tmp_path):

@@ -20,7 +20,8 @@ Under torchrun (trainer.n_gpus_per_node x nnodes > 1; vlgrpo.distributed) every 
 generates for its share of the prompts (gathered, so rewards and advantages see the whole batch),
 computes old and ref log-probs and gradients for its rows of each mini-batch (split by token count),
 the loss normalised by the whole mini-batch's tokens; policy and reference are sharded with FSDP2.
-Only rank 0 writes metrics, W&B, checkpoints, validation files and the marker.
+Each rank writes its own rows of a checkpoint (vlgrpo.checkpoint); only rank 0 writes metrics,
+W&B, validation files and the marker.
 
 Launch: `vlgrpo train --config results/<exp>/config.resolved.yaml --end-step N` (the rule
 train_segment does this); it runs this module (under torchrun for several processes) under a

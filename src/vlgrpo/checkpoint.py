@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from vlgrpo import atomic, paths, plan
+from vlgrpo import atomic, distributed, paths, plan
 from vlgrpo.config import experiment_dir
 from vlgrpo.errors import VlgrpoError
 
@@ -105,10 +105,10 @@ def _piece(t: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
     offset torch.chunk gives them, counted by the process that holds them. Any other tensor: whole, on
     every process, counted (written, and its bytes checksummed) by rank 0 only."""
     if not isinstance(t, DTensor):
-        return t.detach(), 0, _is_rank0()
+        return t.detach(), 0, distributed.is_rank0()
     local = t.to_local().detach()
     if t.placements == (Replicate(),):
-        return local, 0, _is_rank0()
+        return local, 0, distributed.is_rank0()
     if t.placements != (Shard(0),):
         raise CheckpointError(f"a tensor placed as {t.placements} on {t.device_mesh}: only Shard(0) (FSDP2) or Replicate")
     rows = t.shape[0]
@@ -168,7 +168,7 @@ def _write_pieces(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> list[t
     """Write this process's pieces of `tensors` into `path` (rank 0 made it with its header and size)
     and fsync; return the (offset, length, CRC-32) ranges of the bytes written."""
     head, starts, _ = _layout(tensors)
-    ranges: list = [(0, len(head), zlib.crc32(head))] if _is_rank0() else []
+    ranges: list = [(0, len(head), zlib.crc32(head))] if distributed.is_rank0() else []
     with open(path, "r+b") as f:
         for (name, t), start in zip(tensors, starts):
             local, offset, counted = _piece(t)
@@ -213,7 +213,7 @@ def _read_pieces(path: Path, target: Callable[[str, torch.dtype, list[int]], tor
             raise CheckpointError(f"{path} has a corrupt header")
         (length,) = struct.unpack("<Q", head)
         raw = f.read(length)
-        if _is_rank0():
+        if distributed.is_rank0():
             _add_range(ranges, 0, memoryview(head + raw))
         try:
             header = json.loads(raw)
@@ -365,22 +365,9 @@ def _optimizer_tensors(osd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, {"param_groups": osd["param_groups"], "scalars": scalars, "devices": devices}
 
 
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _from_all(value) -> list:
-    """`value` of every process, in rank order (a collective); [value] in one process."""
-    if not dist.is_initialized():
-        return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _from_rank0(value):
@@ -477,7 +464,7 @@ class CheckpointStore:
         weights = model_tensors(model)
         tensors, meta = _optimizer_tensors(optimizer_state(model, optimizer))
         files = self._files(weights, tensors)
-        if _is_rank0():
+        if distributed.is_rank0():
             self._stage(tmp, step, model, processor, weights, meta, state, files)
         _barrier()  # the files exist, at their size, before any rank writes into them
         order = sorted(files, key=lambda f: -sum(t.nbytes for _, t in files[f]))  # largest first
@@ -486,16 +473,16 @@ class CheckpointStore:
         def write() -> None:
             with ThreadPoolExecutor(self.threads) as pool:
                 ranges.update(zip(order, pool.map(lambda f: _write_pieces(tmp / f, files[f]), order)))
-            if before_publish is not None and _is_rank0():
+            if before_publish is not None and distributed.is_rank0():
                 before_publish()
 
         def publish(written: bool) -> Path:
-            reports = _from_all(ranges if written else None)
+            reports = distributed.gather_objects(ranges if written else None)
             failed = [str(r) for r, report in enumerate(reports) if report is None]
             if failed:
                 raise CheckpointError(f"rank {', '.join(failed)} could not write the checkpoint (its log says why)")
             final, error = self.path(step), None
-            if _is_rank0():
+            if distributed.is_rank0():
                 try:
                     self._finish(tmp, {f: [r for report in reports for r in report[f]] for f in files})
                     self._publish(tmp, final, step)
@@ -506,7 +493,7 @@ class CheckpointStore:
                 raise error
             if message is not None:
                 raise CheckpointError(f"rank 0 could not publish the checkpoint ({message})")
-            if after_publish is not None and _is_rank0():
+            if after_publish is not None and distributed.is_rank0():
                 after_publish()
             return final
 
@@ -518,7 +505,7 @@ class CheckpointStore:
         """{relative path: [(name, tensor)]} of the tensor files, as rank 0 groups them (every rank must
         lay the files out alike, and the writer threads may differ between nodes)."""
         names = None
-        if _is_rank0():
+        if distributed.is_rank0():
             names = {}
             for prefix, part in (("model/model", weights), ("optim/optim", tensors)):
                 groups = _groups(part, self.threads)
@@ -634,9 +621,9 @@ class CheckpointStore:
                 raise CheckpointError(f"{self.path(step)} lacks {len(missing)} model tensors, e.g. {sorted(missing)[:3]}")
         except CheckpointError as e:
             error = str(e)
-        reports = _from_all((error, ranges))
+        reports = distributed.gather_objects((error, ranges))
         error = next((e for e, _ in reports if e is not None), None)
-        if error is None and _is_rank0():
+        if error is None and distributed.is_rank0():
             try:
                 for n in files:
                     if _check_ranges(self.path(step) / n, [r for _, got in reports for r in got[n]], manifest[n]["bytes"]) != manifest[n]["crc32"]:

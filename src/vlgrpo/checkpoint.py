@@ -164,10 +164,10 @@ def _add_range(ranges: list, offset: int, data: memoryview) -> None:
     ranges.append((first, length + data.nbytes, zlib.crc32(data, crc)))
 
 
-def _write_pieces(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[int, int, int]]:
-    """Write this process's pieces of `tensors` into `path` (rank 0 made it with its header and size)
-    and fsync; return the (offset, length, CRC-32) ranges of the bytes written."""
-    head, starts, _ = _layout(tensors)
+def _write_pieces(path: Path, tensors: list[tuple[str, torch.Tensor]], head: bytes, starts: list[int]) -> list[tuple[int, int, int]]:
+    """Write this process's pieces of `tensors` into `path` (rank 0 made it with its header `head` and
+    its size; `starts`: the tensors' file offsets) and fsync; return the (offset, length, CRC-32)
+    ranges of the bytes written."""
     ranges: list = [(0, len(head), zlib.crc32(head))] if distributed.is_rank0() else []
     with open(path, "r+b") as f:
         for (name, t), start in zip(tensors, starts):
@@ -464,15 +464,16 @@ class CheckpointStore:
         weights = model_tensors(model)
         tensors, meta = _optimizer_tensors(optimizer_state(model, optimizer))
         files = self._files(weights, tensors)
+        layouts = {f: _layout(group) for f, group in files.items()}  # (header, tensor offsets, size) of each
         if distributed.is_rank0():
-            self._stage(tmp, step, model, processor, weights, meta, state, files)
+            self._stage(tmp, step, model, processor, weights, meta, state, files, layouts)
         _barrier()  # the files exist, at their size, before any rank writes into them
         order = sorted(files, key=lambda f: -sum(t.nbytes for _, t in files[f]))  # largest first
         ranges: dict[str, list] = {}
 
         def write() -> None:
             with ThreadPoolExecutor(self.threads) as pool:
-                ranges.update(zip(order, pool.map(lambda f: _write_pieces(tmp / f, files[f]), order)))
+                ranges.update(zip(order, pool.map(lambda f: _write_pieces(tmp / f, files[f], *layouts[f][:2]), order)))
             if before_publish is not None and distributed.is_rank0():
                 before_publish()
 
@@ -514,7 +515,8 @@ class CheckpointStore:
         every = {**weights, **tensors}
         return {f: [(name, every[name]) for name in group] for f, group in _from_rank0(names).items()}
 
-    def _stage(self, tmp: Path, step: int, model, processor, weights: dict, meta: dict, state: dict, files: dict) -> None:
+    def _stage(self, tmp: Path, step: int, model, processor, weights: dict, meta: dict, state: dict, files: dict,
+               layouts: dict) -> None:
         """The small files of checkpoint `step` written into `tmp`, and its tensor files made with their
         header at their full size, for every rank to write its pieces into."""
         shutil.rmtree(tmp, ignore_errors=True)
@@ -528,8 +530,7 @@ class CheckpointStore:
         index = {"metadata": {"total_size": sum(t.nbytes for t in weights.values())},
                  "weight_map": {name: Path(f).name for f, group in files.items() if f.startswith("model/") for name, _ in group}}
         atomic.write_json(tmp / "model" / "model.safetensors.index.json", index)
-        for f, group in files.items():
-            head, _, size = _layout(group)
+        for f, (head, _, size) in layouts.items():
             with open(tmp / f, "wb") as out:
                 out.write(head)
                 out.truncate(size)

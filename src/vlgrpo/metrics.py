@@ -2,7 +2,7 @@
 utils/flops_counter.py, workers/fsdp_workers.py), as pure functions of the step's tensors and timings.
 
 N = rollout.batch_size x rollout.n sequences in a step, R = the longest response.
-Where vlgrpo's meaning differs from EasyR1's, the README's "Metrics" section says so.
+Where vlgrpo's meaning differs from EasyR1's, docs/metrics.md says so.
 """
 
 from __future__ import annotations

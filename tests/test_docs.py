@@ -242,7 +242,9 @@ def test_every_command_in_the_docs_parses_with_its_program(parse_only, monkeypat
     assert not failures, "\n".join(failures)
 
 
-def test_readme_set_up_commands_are_what_ci_runs():
+def test_readme_set_up_commands_are_what_ci_runs(monkeypatch, tmp_path):
+    from snakemake.cli import get_argument_parser
+
     readme = [" ".join(argv) for where, argv in shown_commands() if where.startswith("README.md")]
     assert readme[:4] == ["pip install -e .", "snakemake --cores all", "pip install -e .[dev]", "python -m pytest"]
     ci = (ROOT / ".ci" / "run").read_text()
@@ -254,8 +256,12 @@ def test_readme_set_up_commands_are_what_ci_runs():
     # embedded config.yaml (no --configfile), only smaller and elsewhere.
     import test_workflow
 
-    command = test_workflow.snakemake.__code__.co_consts
-    assert "--configfile" not in command and "--cores" in command
+    ran = []
+    monkeypatch.setattr(test_workflow.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    test_workflow.snakemake(tmp_path / "work", tmp_path / "demo")
+    args = get_argument_parser().parse_args(ran[0][1:])
+    assert ran[0][0] == "snakemake" and args.cores and not args.configfile and not args.targets
+    assert Path(args.snakefile) == ROOT / "Snakefile"
     written = config.experiment_dir(config.load(ROOT / "config.yaml")) / "report" / "report.html"
     assert written.as_posix() == "results/demo/report/report.html"
     assert "`results/demo/report/report.html`" in (ROOT / "README.md").read_text()

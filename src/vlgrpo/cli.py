@@ -29,7 +29,7 @@ import psutil
 import yaml
 
 from vlgrpo import config as config_lib
-from vlgrpo import paths
+from vlgrpo import console, paths
 from vlgrpo.errors import VlgrpoError
 
 
@@ -119,6 +119,7 @@ def cmd_train(args) -> None:
                               "--marker", str(marker), "--heartbeat", str(heartbeat)]),
         start_new_session=True,
         env={**os.environ, "VLGRPO_JOB_START": str(started)},
+        pass_fds=console.pass_fds(),  # the trainer's recoveries are said on the console too
     )
     forward = lambda signum, _frame: os.killpg(child.pid, signum)  # noqa: E731 Snakemake's or scancel's SIGTERM
     signal.signal(signal.SIGTERM, forward)

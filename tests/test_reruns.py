@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import make_experiment
-from vlgrpo import config, demo_folders, evaluate, fingerprint, paths
+from vlgrpo import config, evaluate, paths
 from vlgrpo.checkpoint import CheckpointStore
 from vlgrpo.trainer import GRPOTrainer, run_segment
 
@@ -38,6 +38,8 @@ def console_pipe(monkeypatch):
 
 
 def test_content_not_timestamps_makes_a_digest(tmp_path):
+    from vlgrpo import fingerprint
+
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
@@ -57,6 +59,8 @@ def test_content_not_timestamps_makes_a_digest(tmp_path):
 
 def test_demo_folders_are_keyed_by_what_makes_them():
     """Issue 28 (3): the same settings share one folder, another seed, pixel bounds or template another."""
+    from vlgrpo import demo_folders
+
     base = config.load(ROOT / "config.yaml")
     a = demo_folders.keyed(base)
     assert demo_folders.keyed(a) == a  # a resolved config stays as it is

@@ -17,6 +17,8 @@ log = logging.getLogger("vlgrpo.console")
 
 
 def _fd() -> int | None:
+    if "LOCAL_RANK" in os.environ:  # a torchrun rank: torchrun does not pass the descriptor on (another file may have its number)
+        return None
     try:
         fd = int(os.environ[FD_VARIABLE])
         os.fstat(fd)

@@ -32,17 +32,23 @@ def eval_key(cfg: dict) -> str:
     return config_lib.config_hash({**parts, "val_generations_to_log": cfg["trainer"]["val_generations_to_log"]})
 
 
-def in_process_result(cfg: dict, step: int) -> dict | None:
-    """The in-process record of `step` if one exists made with cfg's settings, else None."""
+def _matching(cfg: dict, step: int, record_pattern: str, generations_pattern: str) -> dict | None:
+    """The record of `step` at record_pattern if it and its generations exist and it was made with
+    cfg's settings, else None."""
     exp = config_lib.experiment_dir(cfg)
-    record_path = paths.path(paths.VAL_IN_PROCESS, exp, step=step)
-    if not (record_path.is_file() and paths.path(paths.GENERATIONS_IN_PROCESS, exp, step=step).is_file()):
+    record_path = paths.path(record_pattern, exp, step=step)
+    if not (record_path.is_file() and paths.path(generations_pattern, exp, step=step).is_file()):
         return None
     try:
         record = json.loads(record_path.read_text())
     except json.JSONDecodeError:
         return None
     return record if record.get("eval_key") == eval_key(cfg) else None
+
+
+def in_process_result(cfg: dict, step: int) -> dict | None:
+    """The in-process record of `step` if one exists made with cfg's settings, else None."""
+    return _matching(cfg, step, paths.VAL_IN_PROCESS, paths.GENERATIONS_IN_PROCESS)
 
 
 def adopt(cfg: dict, step: int) -> dict | None:
@@ -77,15 +83,7 @@ def keep(cfg: dict, step: int) -> None:
 
 def kept_result(cfg: dict, step: int) -> dict | None:
     """The kept record of `step` if one exists made with cfg's settings, else None."""
-    exp = config_lib.experiment_dir(cfg)
-    record_path = paths.path(paths.VAL_KEPT, exp, step=step)
-    if not (record_path.is_file() and paths.path(paths.GENERATIONS_KEPT, exp, step=step).is_file()):
-        return None
-    try:
-        record = json.loads(record_path.read_text())
-    except json.JSONDecodeError:
-        return None
-    return record if record.get("eval_key") == eval_key(cfg) else None
+    return _matching(cfg, step, paths.VAL_KEPT, paths.GENERATIONS_KEPT)
 
 
 def put_back(cfg: dict, step: int) -> dict | None:

@@ -112,7 +112,78 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_used(store_with_two, d
     assert_same(snapshot(model, optimizer), snaps[5])
     reason = "truncated" if damage == "truncate" else "does not match its checksum"
     assert any(reason in r.getMessage() and "refusing checkpoint 10" in r.getMessage() for r in caplog.records)
-    assert store.latest() == (5 if damage == "truncate" else 10)  # sizes are checked cheaply, bytes at load
+    assert store.latest() == 5  # refused at load: set aside, no longer resumed from
+
+
+def test_sizes_are_checked_cheaply_bytes_at_load(store_with_two):
+    store, _ = store_with_two
+    path = largest_file(store, 10)
+    data = bytearray(path.read_bytes())
+    data[len(data) * 2 // 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert store.latest() == 10
+    path.write_bytes(bytes(data[:-1]))
+    assert store.latest() == 5
+
+
+def test_without_a_tracker_the_newest_intact_checkpoint_is_resumed(store_with_two, caplog):
+    """Issue 28 (5): a lost latest.json does not restart training from step 0."""
+    store, snaps = store_with_two
+    (store.root / "latest.json").unlink()
+    assert store.latest() == 10
+    step, _, model, optimizer = restored(store)
+    assert step == 10
+    assert_same(snapshot(model, optimizer), snaps[10])
+    assert any("no tracker" in r.getMessage() for r in caplog.records)
+    flip(largest_file(store, 10))
+    assert restored(store)[0] == 5
+
+
+def test_weights_kept_for_validation_are_not_resumed_from_nor_set_aside(store_with_two):
+    store, _ = store_with_two
+    store.prune(1, keep_weights_of={5})
+    (store.root / "latest.json").unlink()
+    flip(largest_file(store, 10))
+    with pytest.raises(CheckpointError, match="no checkpoint .* loads intact|delete"):
+        restored(store)  # 10 was set aside; 5 holds only weights: nothing to resume from, said, not step 0
+    assert (store.model_dir(5) / "config.json").exists() or any(store.model_dir(5).glob("*.safetensors"))
+    assert store.steps() == [5]
+
+
+def flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) * 2 // 3] ^= 0x01  # one bit of one tensor
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_checkpoint_is_set_aside_said_on_the_console_and_not_kept(store_with_two, monkeypatch):
+    """Issue 28 (6): a refused checkpoint leaves the store (named, with its reason) and counts no more
+    toward keep_checkpoints, so a second corruption still finds an intact one; the console hears it."""
+    import os
+
+    store, snaps = store_with_two
+    model, optimizer = model_and_optimizer()
+    store.load(10, model, optimizer)
+    train(model, optimizer, 5)
+    store.save(15, model, optimizer, None, {"config_hash": "x"})
+    read, write = os.pipe()
+    monkeypatch.setenv("VLGRPO_CONSOLE_FD", str(write))
+    flip(largest_file(store, 15))
+    assert restored(store)[0] == 10
+    aside = store.root / "refused" / "global_step_000015"
+    assert aside.is_dir() and "does not match its checksum" in (store.root / "refused" / "global_step_000015.reason.txt").read_text()
+    store.prune(2, keep_weights_of=set())
+    assert store.steps() == [5, 10]  # the corrupt one is not counted: the two intact ones stay
+    flip(largest_file(store, 10))
+    step, _, model, optimizer = restored(store)
+    assert step == 5
+    assert_same(snapshot(model, optimizer), snaps[5])
+    assert (store.root / "refused" / "global_step_000010").is_dir()
+    os.close(write)
+    console = os.read(read, 1 << 16).decode()
+    os.close(read)
+    assert "refusing checkpoint 15" in console and "set aside as" in console and str(aside) in console
+    assert "resuming from checkpoint 5 instead of the tracker's 15" in console
 
 
 def test_no_intact_checkpoint_is_an_error(store_with_two):

@@ -8,7 +8,9 @@ Layout under results/<experiment>/checkpoints/:
                                   state) + optim.json (param groups, scalar state, each tensor's device)
     global_step_000005/state.json step, config hash, data position, W&B run id
     global_step_000005/manifest.json  bytes and CRC-32 of every file above
-    latest.json                   the tracker: which checkpoint is the latest
+    latest.json                   the tracker: which checkpoint is the latest (without it, the newest
+                                  intact one is resumed from)
+    refused/                      corrupt checkpoints set aside, each with a .reason.txt
 
 Every tensor is stored whole under its parameter's name, so the format does not depend on how many
 processes wrote it. Each process writes its own pieces into the files at their offsets, straight from
@@ -22,8 +24,8 @@ model's and optimizer's tensors, and the CRC-32s of what they read must combine 
 A checkpoint is written into a temporary folder, fsynced, renamed, and only then is the tracker
 replaced atomically (the writing runs behind the segment's validation, which only reads the model:
 save_behind), so a process killed at any moment leaves the previous checkpoint and tracker intact;
-a checkpoint that fails its sizes or checksums at load is refused with a message and the previous
-one is used (restore).
+a checkpoint that fails its sizes or checksums at load is refused, set aside into refused/ (so it
+counts no more toward keep_checkpoints) and the previous one used, said on the console (restore).
 """
 
 from __future__ import annotations
@@ -48,12 +50,13 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from vlgrpo import atomic, distributed, paths, plan
+from vlgrpo import atomic, console, distributed, paths, plan
 from vlgrpo.config import experiment_dir
 from vlgrpo.errors import VlgrpoError
 
 log = logging.getLogger(__name__)
 TRACKER, MANIFEST, STATE, OPTIM_JSON = "latest.json", "manifest.json", "state.json", "optim.json"
+REFUSED = "refused"  # corrupt checkpoints set aside, with why
 CHUNK = 64 << 20  # bytes staged through pinned memory at a time, per thread
 SAFETENSORS_DTYPES = {
     torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64",
@@ -73,6 +76,11 @@ def io_threads() -> int:
 
 class CheckpointError(VlgrpoError, RuntimeError):
     pass
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint whose files are missing, truncated or fail their checksums (not one that does not
+    fit the model: that is a config mistake, and the checkpoint stays)."""
 
 
 # --- tensor files: safetensors layout; each process writes and reads its own rows ---------------------
@@ -198,7 +206,7 @@ def _readinto(f, view: memoryview) -> None:
     while view.nbytes:
         n = f.readinto(view)
         if not n:
-            raise CheckpointError(f"{f.name} ends early")
+            raise CorruptCheckpoint(f"{f.name} ends early")
         view = view[n:]
 
 
@@ -210,7 +218,7 @@ def _read_pieces(path: Path, target: Callable[[str, torch.dtype, list[int]], tor
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8 or struct.unpack("<Q", head)[0] > size - 8:
-            raise CheckpointError(f"{path} has a corrupt header")
+            raise CorruptCheckpoint(f"{path} has a corrupt header")
         (length,) = struct.unpack("<Q", head)
         raw = f.read(length)
         if distributed.is_rank0():
@@ -221,7 +229,7 @@ def _read_pieces(path: Path, target: Callable[[str, torch.dtype, list[int]], tor
             entries = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
             specs = [(name, TORCH_DTYPES[e["dtype"]], e["shape"], e["data_offsets"]) for name, e in entries]
         except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise CheckpointError(f"{path} has a corrupt header ({e})") from None
+            raise CorruptCheckpoint(f"{path} has a corrupt header ({e})") from None
         for name, dtype, shape, (begin, end) in specs:
             dest = target(name, dtype, shape)
             if dest.dtype != dtype or list(dest.shape) != list(shape) or dest.nbytes != end - begin:
@@ -559,21 +567,21 @@ class CheckpointStore:
         try:
             manifest = json.loads(path.read_text())
         except FileNotFoundError:
-            raise CheckpointError(f"{self.path(step)} has no {MANIFEST}") from None
+            raise CorruptCheckpoint(f"{self.path(step)} has no {MANIFEST}") from None
         except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+            raise CorruptCheckpoint(f"{path} is not valid JSON ({e})") from None
         for name, want in manifest.items():
             file = self.path(step) / name
             if not file.is_file():
-                raise CheckpointError(f"{file} is missing")
+                raise CorruptCheckpoint(f"{file} is missing")
             if file.stat().st_size != want["bytes"]:
-                raise CheckpointError(f"{file} has {file.stat().st_size} bytes, its manifest says {want['bytes']} (truncated?)")
+                raise CorruptCheckpoint(f"{file} has {file.stat().st_size} bytes, its manifest says {want['bytes']} (truncated?)")
         return manifest
 
     def _small_file(self, step: int, name: str, manifest: dict) -> bytes:
         data = (self.path(step) / name).read_bytes()
         if zlib.crc32(data) != manifest[name]["crc32"]:
-            raise CheckpointError(f"{self.path(step) / name} does not match its checksum")
+            raise CorruptCheckpoint(f"{self.path(step) / name} does not match its checksum")
         return data
 
     def load(self, step: int, model, optimizer=None) -> dict:
@@ -621,19 +629,20 @@ class CheckpointStore:
             if missing:
                 raise CheckpointError(f"{self.path(step)} lacks {len(missing)} model tensors, e.g. {sorted(missing)[:3]}")
         except CheckpointError as e:
-            error = str(e)
+            error = (type(e), str(e))
         reports = distributed.gather_objects((error, ranges))
         error = next((e for e, _ in reports if e is not None), None)
         if error is None and distributed.is_rank0():
             try:
                 for n in files:
                     if _check_ranges(self.path(step) / n, [r for _, got in reports for r in got[n]], manifest[n]["bytes"]) != manifest[n]["crc32"]:
-                        raise CheckpointError(f"{self.path(step) / n} does not match its checksum")
+                        raise CorruptCheckpoint(f"{self.path(step) / n} does not match its checksum")
             except CheckpointError as e:
-                error = str(e)
+                error = (type(e), str(e))
         error = _from_rank0(error)  # every rank refuses the checkpoint, or none does
         if error is not None:
-            raise CheckpointError(error)
+            kind, message = error
+            raise kind(message)
         if optimizer is not None:
             osd = {"state": {}, "param_groups": meta["param_groups"]}
             for name, tensor in sorted(optim_tensors.items()):  # not the reading threads' order: alike on every rank
@@ -677,9 +686,14 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint tracker {tracker} is unreadable ({e}); delete it to start over") from None
 
     def candidates(self) -> list[int]:
-        """Checkpoints to resume from, newest first: the tracker's and the older ones."""
+        """Checkpoints to resume from, newest first: the tracker's and the older ones; without a
+        tracker (deleted, or lost), every published one. Folders pruned to their weights (no
+        manifest) are not checkpoints to resume from."""
         tracked = self.tracked()
-        return [] if tracked is None else [s for s in self.steps() if s <= tracked][::-1]
+        steps = [s for s in self.steps() if (self.path(s) / MANIFEST).is_file() and (tracked is None or s <= tracked)]
+        if tracked is None and steps:
+            log.warning("no tracker %s: resuming from the newest intact checkpoint of %s", self.root / TRACKER, steps)
+        return steps[::-1]
 
     def latest(self) -> int | None:
         """The newest checkpoint whose files are all there at their recorded sizes (checksums are
@@ -692,23 +706,50 @@ class CheckpointStore:
                 continue
             return step
         if self.tracked() is not None:
-            raise CheckpointError(f"no checkpoint in {self.root} is complete (tracker says step {self.tracked()})")
+            raise CheckpointError(f"no checkpoint in {self.root} is complete (tracker says step {self.tracked()}); "
+                                  f"delete {self.root} to train from step 0")
         return None
 
+    def set_aside(self, step: int, reason: str) -> Path:
+        """Move corrupt checkpoint `step` out of the store into refused/ (kept for a look, no longer
+        resumed from, pruned or counted toward keep_checkpoints); its new folder."""
+        refused = self.root / REFUSED
+        with self._locked():
+            refused.mkdir(exist_ok=True)
+            dest = refused / step_dir_name(step)
+            for n in range(1, 1000):
+                if not dest.exists():
+                    break
+                dest = refused / f"{step_dir_name(step)}.{n}"
+            os.rename(self.path(step), dest)
+            atomic.fsync_path(self.root)
+            (refused / f"{dest.name}.reason.txt").write_text(reason + "\n")
+        return dest
+
     def restore(self, model, optimizer, upto: int | None = None) -> tuple[int, dict]:
-        """Load the newest checkpoint (at most `upto`) that loads intact; (step, state), (0, {}) if none."""
+        """Load the newest checkpoint (at most `upto`) that loads intact; (step, state), (0, {}) if none.
+        A corrupt one is set aside (set_aside) and the one before it tried; each fallback is said on
+        the console (vlgrpo.console) as well as in the log."""
         tracked = self.tracked()
-        for step in [s for s in self.candidates() if upto is None or s <= upto]:
+        refused, tried = [], [s for s in self.candidates() if upto is None or s <= upto]
+        for step in tried:
             try:
                 state = self.load(step, model, optimizer)
+            except CorruptCheckpoint as e:
+                where = self.set_aside(step, str(e)) if distributed.is_rank0() else None
+                _barrier()  # moved before any rank looks at the next one
+                console.say(f"refusing checkpoint {step}: {e}; set aside as {where}")
+                refused.append(step)
+                continue
             except CheckpointError as e:
                 log.error("refusing checkpoint %d: %s", step, e)
                 continue
-            if step != tracked:
-                log.warning("resuming from checkpoint %d instead of the tracker's %d", step, tracked)
+            if refused or step != tracked:
+                console.say(f"resuming from checkpoint {step}" + (f" instead of the tracker's {tracked}" if tracked else ""))
             return step, state
-        if tracked is not None:
-            raise CheckpointError(f"no checkpoint in {self.root} loads intact (tracker says step {tracked})")
+        if tracked is not None or tried:
+            raise CheckpointError(f"no checkpoint in {self.root} loads intact (tracker says step {tracked}); "
+                                  f"delete {self.root} to train from step 0")
         return 0, {}
 
     def state(self, step: int) -> dict:
@@ -722,10 +763,10 @@ class CheckpointStore:
             steps = self.steps()
             for step in steps[: max(0, len(steps) - keep)]:
                 folder = self.path(step)
-                if step in keep_weights_of:
-                    shutil.rmtree(folder / "optim", ignore_errors=True)
+                if step in keep_weights_of:  # the manifest first: a folder with one is a whole checkpoint
                     for name in (MANIFEST, STATE):
                         (folder / name).unlink(missing_ok=True)
+                    shutil.rmtree(folder / "optim", ignore_errors=True)
                 else:
                     shutil.rmtree(folder, ignore_errors=True)
 

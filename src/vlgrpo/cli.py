@@ -29,22 +29,25 @@ import psutil
 import yaml
 
 from vlgrpo import config as config_lib
-from vlgrpo import paths
+from vlgrpo import console, paths
 from vlgrpo.errors import VlgrpoError
 
 
 def cmd_resolve(args) -> None:
-    cfg = config_lib.load(*args.configs, overrides=config_lib.parse_assignments(args.set or []))
+    from vlgrpo import demo_folders
+
+    cfg = demo_folders.keyed(config_lib.load(*args.configs, overrides=config_lib.parse_assignments(args.set or [])))
     out = paths.path(paths.RESOLVED, config_lib.experiment_dir(cfg))
     config_lib.write_resolved(cfg, out)
     print(out)
 
 
 def cmd_make_demo_data(args) -> None:
+    from vlgrpo import demo_folders
     from vlgrpo.demo import make_dataset
 
     cfg = config_lib.read_resolved(args.config)
-    stats = make_dataset(cfg, Path(cfg["demo"]["out_dir"]) / "geometry_synth")
+    stats = make_dataset(cfg, demo_folders.data_dir(cfg))
     print(json.dumps(stats, indent=1))
 
 
@@ -119,6 +122,7 @@ def cmd_train(args) -> None:
                               "--marker", str(marker), "--heartbeat", str(heartbeat)]),
         start_new_session=True,
         env={**os.environ, "VLGRPO_JOB_START": str(started)},
+        pass_fds=console.pass_fds(),  # the trainer's recoveries are said on the console too
     )
     forward = lambda signum, _frame: os.killpg(child.pid, signum)  # noqa: E731 Snakemake's or scancel's SIGTERM
     signal.signal(signal.SIGTERM, forward)

@@ -148,8 +148,15 @@ def log_validation(cfg: dict, record: dict, tracker: Tracker | None = None) -> N
 
 
 def main(config_path: str | Path, step: int) -> dict:
-    """The evaluate rule: adopt the segment's own validation of `step` if it has one, else validate."""
+    """The evaluate rule: adopt the segment's own validation of `step` if it has one; else, when the
+    step's weights are gone, put its kept result back; else validate. The result is kept (val_results)."""
     cfg = config_lib.read_resolved(config_path)
-    record = val_results.adopt(cfg, step) or evaluate(cfg, step)
+    record = val_results.adopt(cfg, step)
+    if record is None and step and not (CheckpointStore(paths.path(paths.CHECKPOINTS, config_lib.experiment_dir(cfg)))
+                                        .model_dir(step) / "config.json").is_file():
+        record = val_results.put_back(cfg, step)
+    if record is None:
+        record = evaluate(cfg, step)
+    val_results.keep(cfg, step)
     log_validation(cfg, record)
     return record

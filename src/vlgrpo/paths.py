@@ -12,6 +12,10 @@ GENERATIONS = "{exp}/val/step_{step}.generations.jsonl"
 # A segment's own validation of its checkpoint, until the evaluate rule adopts it as VAL / GENERATIONS.
 VAL_IN_PROCESS = "{exp}/val/in_process/step_{step}.json"
 GENERATIONS_IN_PROCESS = "{exp}/val/in_process/step_{step}.generations.jsonl"
+# Every result the evaluate rule put in place, hard-linked (Snakemake deletes a job's outputs before
+# it reruns; a step whose weights are gone cannot be validated again, so its result is put back).
+VAL_KEPT = "{exp}/val/kept/step_{step}.json"
+GENERATIONS_KEPT = "{exp}/val/kept/step_{step}.generations.jsonl"
 MARKER = "{exp}/segments/step_{step}.json"
 HEARTBEAT = "{exp}/segments/heartbeat"
 CHECKPOINTS = "{exp}/checkpoints"

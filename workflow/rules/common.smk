@@ -2,19 +2,20 @@ import json
 from pathlib import Path
 
 from vlgrpo import config as config_lib
-from vlgrpo import locks, paths, plan, val_results
+from vlgrpo import demo_folders, fingerprint, locks, paths, plan, val_results
 from vlgrpo.config import ConfigError
 from vlgrpo.report.plots import FIGURES
 
 try:
-    CFG = config_lib.validate(config)
+    # The demo's dataset and model resolve to folders keyed by their settings (vlgrpo/demo_folders.py).
+    CFG = demo_folders.keyed(config_lib.validate(config))
 except ConfigError as e:
     raise WorkflowError(str(e)) from None
 
 EXP = str(config_lib.experiment_dir(CFG))
 RESOLVED = paths.path(paths.RESOLVED, EXP)
 DEMO = CFG["demo"]["out_dir"]
-DEMO_DATA = f"{DEMO}/geometry_synth"
+DEMO_DATA = str(demo_folders.data_dir(CFG))
 DEMO_SPLITS = ["train", "validation", "test"]
 STEP = r"\d{6}"
 CONDA_ENV = str(Path(workflow.basedir) / "envs" / "vlgrpo.yaml")  # snakemake --use-conda
@@ -50,12 +51,21 @@ EVAL_GPUS = min(1, TRAIN_GPUS)
 
 
 def local_inputs(*specs):
-    """Local files among data/model specs (hub ids are not files), so rules that make them run first."""
+    """Local files among data/model specs (hub ids are not files), so rules that make them run first.
+    Marked ancient: their timestamps decide nothing (a touched or re-copied file reruns nothing);
+    their content does, through filter_data's `inputs` (content_key), which every rule that reads
+    them follows."""
     out = []
     for spec in specs:
         if spec.startswith(DEMO) or Path(spec).exists():
-            out.append(spec)
+            out.append(ancient(spec))
     return out
+
+
+def content_key(*specs):
+    """Content hashes of the local files among specs; the demo's are left out (their folders are
+    keyed by the settings that make them, and may not exist before their rule runs)."""
+    return {spec: fingerprint.digest(spec) for spec in map(str, local_inputs(*specs)) if not spec.startswith(DEMO)}
 
 
 def step_of(wildcards):

@@ -13,6 +13,7 @@ checkpoint filter_data:
     params:
         config=RESOLVED,
         key=config_key("data", "model.path", "worker.rollout.batch_size"),
+        inputs=lambda w: content_key(CFG["data"]["train"], CFG["data"]["val"], CFG["model"]["path"]),
     log:
         f"{EXP}/logs/filter_{{split}}.log",
     conda:

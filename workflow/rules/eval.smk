@@ -22,4 +22,5 @@ rule evaluate:
     conda:
         CONDA_ENV
     shell:
-        "vlgrpo evaluate --config {params.config} --step {wildcards.step} > {log} 2>&1"
+        # fd 3: the console, for a kept result put back (vlgrpo.console)
+        "VLGRPO_CONSOLE_FD=3 vlgrpo evaluate --config {params.config} --step {wildcards.step} 3>&2 > {log} 2>&1"

@@ -21,4 +21,5 @@ rule train_segment:
     conda:
         CONDA_ENV
     shell:
-        "vlgrpo train --config {params.config} --end-step {wildcards.step} >> {log} 2>&1"
+        # fd 3: the console, for the recoveries the user must see (vlgrpo.console)
+        "VLGRPO_CONSOLE_FD=3 vlgrpo train --config {params.config} --end-step {wildcards.step} 3>&2 >> {log} 2>&1"

@@ -48,7 +48,7 @@ def test_seed_recipe_values():
     actor, rollout = cfg["worker"]["actor"], cfg["worker"]["rollout"]
     assert (rollout["batch_size"], rollout["n"], actor["global_batch_size"]) == (32, 4, 16)
     assert (cfg["data"]["max_response_length"], cfg["data"]["max_pixels"], cfg["data"]["min_pixels"]) == (512, 524288, 262144)
-    assert (actor["optim"]["lr"], cfg["algorithm"]["kl_coef"], cfg["algorithm"]["kl_type"]) == (1e-6, 1e-2, "low_var_kl")
+    assert (actor["optim"]["lr"], cfg["algorithm"]["kl_coef"], cfg["algorithm"]["kl_penalty"]) == (1e-6, 1e-2, "low_var_kl")
     assert (actor["clip_ratio_low"], actor["clip_ratio_high"], actor["clip_ratio_dual"]) == (0.2, 0.3, 3.0)
     assert (cfg["trainer"]["max_steps"], cfg["trainer"]["save_freq"], cfg["trainer"]["val_freq"]) == (195, 5, 5)
     assert rollout["val_override_config"] == {"temperature": 0.6, "top_p": 0.95, "n": 1}

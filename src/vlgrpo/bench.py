@@ -130,7 +130,7 @@ def step_flops(trainer: GRPOTrainer, step: int, response_tokens: float) -> float
         first.append(first[-1] + len(r["images"]))
     per_row = [sum(patches[first[k] : first[k + 1]]) for k in range(len(rows))]
     actor = cfg["worker"]["actor"]
-    old = 1 - min(actor["global_batch_size"], len(rows)) / len(rows) if actor["old_logprobs_from_update"] else 1
+    old = 1 - min(actor["global_batch_size"], len(rows)) / len(rows) if trainer.old_from_update else 1
     forwards = 1 + old + (trainer.ref is not None) + 3 * actor["ppo_epochs"]
     model_config = trainer.policy.config
     return forwards * forward_flops(model_config, prompt_tokens, per_row, cfg["worker"]["rollout"]["n"], response_tokens)

@@ -119,6 +119,7 @@ def _coerce_strings(node, schema: dict):
 def validate(cfg: dict) -> dict:
     """Return a deep copy of `cfg` with defaults filled in; raise ConfigError naming every bad key."""
     cfg = _coerce_strings(copy.deepcopy(cfg), load_schema())
+    _refuse_old_kl_type(cfg)
     errors = sorted(_Validator(load_schema()).iter_errors(cfg), key=lambda e: list(e.absolute_path))
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(_describe(e) for e in errors))
@@ -156,7 +157,31 @@ def _refuse_unsupported_multi_process(cfg: dict) -> None:
         raise ConfigError(f"'trainer.nnodes' {trainer['nnodes']} needs 'trainer.rdzv_endpoint' (host:port where the nodes meet)")
 
 
-_UNSUPPORTED = (_refuse_unsupported_multi_process,)
+def _refuse_old_kl_type(cfg: dict) -> None:
+    """vlgrpo's kl_type used to name the KL estimator; EasyR1's kl_type is the coefficient's controller."""
+    kl_type = (cfg.get("algorithm") or {}).get("kl_type")
+    if kl_type in ("low_var_kl", "kl", "abs", "mse", "full"):
+        raise ConfigError(
+            f"'algorithm.kl_type' is {kl_type!r}, a KL estimator: set 'algorithm.kl_penalty: {kl_type}' instead. "
+            "'algorithm.kl_type' is EasyR1's KL controller (fixed or adaptive)"
+        )
+
+
+def _refuse_unsupported_algorithms(cfg: dict) -> None:
+    algorithm = cfg["algorithm"]
+    if algorithm["adv_estimator"] == "gae":
+        raise ConfigError(
+            "'algorithm.adv_estimator' gae needs a critic (value) model, which is not implemented; "
+            "use grpo, grpo_passk, rloo, reinforce_plus_plus or remax"
+        )
+    if algorithm["kl_penalty"] == "full":
+        raise ConfigError(
+            "'algorithm.kl_penalty' full needs the whole vocabulary distributions of policy and reference at "
+            "every token, and only the sampled token's log-prob is kept: use low_var_kl, kl, abs or mse"
+        )
+
+
+_UNSUPPORTED = (_refuse_unsupported_multi_process, _refuse_unsupported_algorithms)
 
 
 def processes(cfg: dict) -> int:

@@ -39,22 +39,27 @@ def length_metrics(prefix: str, lengths: torch.Tensor, limit: int) -> dict:
     return {**stats(prefix, lengths), f"{prefix}/clip_ratio": (lengths == limit).float().mean().item()}
 
 
-def data_metrics(scores: torch.Tensor, rewards: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor) -> dict:
+def data_metrics(scores: torch.Tensor, rewards: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+                 returns: torch.Tensor | None = None) -> dict:
     """critic/score, critic/rewards, critic/advantages, critic/returns: mean/max/min.
 
-    scores, rewards: (N,) sequence score (the reward function's overall) and sequence reward (score
-    minus any in-reward KL penalty; vlgrpo's KL is a loss term, so rewards == scores, as in EasyR1
-    with use_kl_loss). advantages: (N,) GRPO's per-sequence advantage, broadcast over each
-    response's tokens; response_mask: (N, R). Advantages and returns are over valid tokens; GRPO's
-    returns equal its advantages (compute_grpo_outcome_advantage returns the same tensor twice).
+    scores, rewards: (N,) sequence score (the reward function's overall) and sequence reward (the
+    sum of its token-level rewards: score minus the in-reward KL penalty, == score with a KL loss).
+    advantages, returns: (N, R) per token, or (N,) per sequence broadcast over its tokens; returns
+    default to the advantages (GRPO's, RLOO's and pass@k's are the same tensor in EasyR1).
+    response_mask: (N, R). Advantages and returns are over valid tokens.
     """
     mask = response_mask.bool()
-    valid = advantages.float()[:, None].expand_as(mask)[mask]
+
+    def valid(values: torch.Tensor) -> torch.Tensor:
+        values = values.float()
+        return (values[:, None].expand_as(mask) if values.dim() == 1 else values)[mask]
+
     return {
         **stats("critic/score", scores),
         **stats("critic/rewards", rewards),
-        **stats("critic/advantages", valid),
-        **stats("critic/returns", valid),
+        **stats("critic/advantages", valid(advantages)),
+        **stats("critic/returns", valid(advantages if returns is None else returns)),
     }
 
 

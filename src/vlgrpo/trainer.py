@@ -2,15 +2,19 @@
 
 The algorithm as implemented, one step k (EasyR1's order and metric names):
   1. batch: rollout.batch_size prompts from a permutation of the filtered train split seeded by
-     (seed, epoch); drop_last. Step k is a pure function of k.
+     (seed, epoch); drop_last. Step k is a pure function of k. With online filtering (or
+     data.mini_rollout_batch_size) the batch fills in tries (make_batch), try t's prompts a pure
+     function of (seed, k, t).
   2. gen: rollout.n samples per prompt (temperature, top_p), each sample's randomness keyed by
-     (seed, k, prompt index, sample index); responses up to data.max_response_length tokens.
+     (seed, k, prompt index, sample index); responses up to data.max_response_length tokens. remax
+     adds a greedy response per prompt, its reward the baseline.
   3. reward: the configured grading function (overall = format_weight * format + rest * accuracy).
   4. old: log-probs of the responses under the current policy (no grad), micro-batched.
-  5. ref: log-probs under the frozen reference model (the base model), when the KL loss is on.
-  6. adv: GRPO advantages, (score - group mean) / (group std + 1e-6) per prompt.
+  5. ref: log-probs under the frozen reference model (the base model), unless algorithm.disable_kl.
+  6. adv: token-level rewards (the score on the last token, minus kl_coef x KL with KL in the
+     reward), then algorithm.adv_estimator (vlgrpo.estimators).
   7. update_actor: for each mini-batch of actor.global_batch_size prompts (x n samples), micro-batches
-     accumulate gradients of pg_loss + kl_coef * kl_loss, each normalised by the whole mini-batch's
+     accumulate gradients of the loss_type's pg_loss (+ kl_coef * kl_loss with use_kl_loss), each normalised by the whole mini-batch's
      token count (token mode) so the sum is exactly the mini-batch token mean; clip the gradient norm;
      AdamW step, skipped (and counted) if the norm is not finite.
 A segment resumes from the store's latest checkpoint, runs steps up to its end step, saves a
@@ -46,7 +50,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vlgrpo import config as config_lib
-from vlgrpo import atomic, distributed, evaluate, grpo, metrics, paths, plan, val_results
+from vlgrpo import atomic, distributed, estimators, evaluate, grpo, metrics, paths, plan, val_results
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.checkpoint import CheckpointStore, PendingSave, apply_retention
 from vlgrpo.data.filtering import load_filtered
@@ -56,11 +60,12 @@ from vlgrpo.optim import build_optimizer, lr_at
 from vlgrpo.policy import ForwardOptions, load_pretrained, micro_batches, prepare_model, resolve_device, response_logprobs
 from vlgrpo.rewards import reward_from_config
 from vlgrpo.rollout import SamplingParams, make_engine
-from vlgrpo.rollout.graded import generate_and_grade
+from vlgrpo.rollout.graded import Graded, concat_rollouts, encode_batch, generate_and_grade, select_rollout
 from vlgrpo.rollout.sampling import sample_key
 from vlgrpo.tracking import Tracker, read_metrics
 
 log = logging.getLogger("vlgrpo.trainer")
+TRY_STREAM = 0x7E1  # keys the permutation that tries after a step's first take their prompts from
 
 
 class NonFiniteError(VlgrpoError, RuntimeError):
@@ -134,15 +139,42 @@ class GRPOTrainer:
         self.policy = self.ref = self.optimizer = self.engine = None
         self.forward = ForwardOptions.from_config(cfg)
         self.nonfinite_in_a_row = 0
+        algorithm = cfg["algorithm"]
+        # None: no KL; "loss": a loss term; "reward": in the reward, with the controller's coefficient (checkpointed).
+        self.kl_mode = None if algorithm["disable_kl"] else "loss" if algorithm["use_kl_loss"] else "reward"
+        self.kl_coef = algorithm["kl_coef"]
+        # KL in the reward needs every old log-prob before the update: the update cannot supply the first mini-batch's.
+        self.old_from_update = cfg["worker"]["actor"]["old_logprobs_from_update"] and self.kl_mode != "reward"
+        if cfg["worker"]["actor"]["old_logprobs_from_update"] and not self.old_from_update:
+            log.info("old_logprobs_from_update is off: KL in the reward needs all old log-probs before the update")
         self.parts: list[list[list[int]]] = []  # per mini-batch, each rank's rows (set each step)
 
     # --- data ------------------------------------------------------------------------------
-    def batch_indices(self, step: int) -> list[int]:
-        """Rows of the filtered train split used at `step` (1-based): a pure function of (seed, step)."""
-        epoch, position = divmod(step - 1, self.steps_per_epoch)
+    def batch_indices(self, step: int, size: int | None = None) -> list[int]:
+        """Rows of the filtered train split used at `step` (1-based): a pure function of (seed, step).
+
+        size: prompts per step (default rollout.batch_size); epochs hold len(rows) // size steps."""
+        size = size or self.batch_size
+        epoch, position = divmod(step - 1, len(self.rows) // size)
         generator = torch.Generator().manual_seed(sample_key(self.cfg["seed"], epoch))
         order = torch.randperm(len(self.rows), generator=generator)
-        return order[position * self.batch_size : (position + 1) * self.batch_size].tolist()
+        return order[position * size : (position + 1) * size].tolist()
+
+    def try_indices(self, step: int, attempt: int) -> list[int]:
+        """Rows tried at `attempt` (1-based) of `step` when the batch fills in tries: a pure function of
+        (seed, step, attempt), so a resumed run tries what the uninterrupted one tried.
+
+        Attempt 1 is the step's place in the epoch walk, in blocks of data.mini_rollout_batch_size;
+        later attempts take the next blocks of a permutation keyed by (seed, step) of the other rows
+        (no prompt twice in a step). Empty when the step has tried every row."""
+        size = self.cfg["data"]["mini_rollout_batch_size"] or self.batch_size
+        first = self.batch_indices(step, size)
+        if attempt == 1:
+            return first
+        generator = torch.Generator().manual_seed(sample_key(self.cfg["seed"], TRY_STREAM, step))
+        taken = set(first)
+        rest = [i for i in torch.randperm(len(self.rows), generator=generator).tolist() if i not in taken]
+        return rest[(attempt - 2) * size : (attempt - 1) * size]
 
     # --- state -----------------------------------------------------------------------------
     def _build(self, base=None) -> None:
@@ -152,11 +184,10 @@ class GRPOTrainer:
         """
         model_cfg = self.cfg["model"]
         base = load_pretrained(model_cfg["path"], model_cfg, self.device) if base is None else base
-        algorithm = self.cfg["algorithm"]
         # Under torchrun (even with one rank: the path a GPU run compares with one process) both are sharded.
         shard = (lambda m: distributed.shard(m, self.device, self.cfg["trainer"]["fsdp_cpu_offload"])) \
             if distributed.launched() else (lambda m: m)
-        if algorithm["use_kl_loss"] and algorithm["kl_coef"] > 0:
+        if self.kl_mode is not None:  # KL as a loss or in the reward (kl_coef 0 still logs it, as EasyR1)
             self.ref = shard(prepare_model(copy.deepcopy(base), model_cfg, self.device, trainable=False))
         self.policy = shard(prepare_model(base, model_cfg, self.device, trainable=True))
         self.optimizer = build_optimizer(self.cfg, self.policy)
@@ -182,6 +213,7 @@ class GRPOTrainer:
         self.heartbeat.beat()
         with timer(timing, "load_checkpoint"):
             start, state = self.store.restore(self.policy, self.optimizer, upto)
+        self.kl_coef = state.get("kl_coef", self.kl_coef)  # the in-reward KL controller's, as the step left it
         self._make_engine()
         return start, state
 
@@ -193,6 +225,7 @@ class GRPOTrainer:
             "config_hash": training_hash(self.cfg),
             "data_position": {"epoch": epoch, "batch_in_epoch": position, "steps_per_epoch": self.steps_per_epoch},
             "wandb_run_id": run_id,
+            "kl_coef": self.kl_coef,
         }
         kill = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if self.faults.fires("kill_in_save", step) else None
         return self.store.save_behind(step, self.policy, self.optimizer, self.processor, state, kill, after_publish)
@@ -235,8 +268,85 @@ class GRPOTrainer:
                 self.heartbeat.beat()
         return distributed.all_reduce(out.cpu())
 
+    def make_batch(self, step: int, params: SamplingParams) -> tuple[list[dict], PromptBatch, object, object, dict, dict]:
+        """The step's rows (prompts), their encoding (N rows), rollout, grading (result(): scores,
+        errors), timing and batch metrics.
+
+        One try of the step's rollout.batch_size prompts, graded while old and ref run; or, with
+        algorithm.online_filtering or a smaller data.mini_rollout_batch_size, tries (try_indices) as
+        EasyR1's _make_batch_data: each try's groups whose mean filter_key lies strictly between
+        filter_low and filter_high are kept (all without filtering) until rollout.batch_size prompts
+        are, then the first rollout.batch_size. reward/* then covers every graded sample of the step,
+        as EasyR1's; batch/num_try_make_batch counts the tries.
+        """
+        cfg, algorithm, n = self.cfg, self.cfg["algorithm"], self.cfg["worker"]["rollout"]["n"]
+        size = cfg["data"]["mini_rollout_batch_size"] or self.batch_size
+        filtering = algorithm["online_filtering"]
+
+        def generate(rows):
+            return generate_and_grade(self.engine, self.processor, rows, n, (cfg["seed"], step), params, len(rows) * n,
+                                      self.reward_fn, self.device)
+
+        if not filtering and size >= self.batch_size:
+            rows = [self.rows[i] for i in self.batch_indices(step)]
+            prompts, out, grading, gen_timing = generate(rows)
+            return rows, prompts, out, grading, gen_timing, {}
+        kept_rows, kept_out, kept_scores, every_score, errors = [], [], [], [], 0
+        timing = {"encode": 0.0, "generation": 0.0, "grading": 0.0}
+        limit, attempt = cfg["trainer"]["max_try_make_batch"], 0
+        while len(kept_rows) < self.batch_size:
+            attempt += 1
+            if 0 < limit < attempt:
+                raise VlgrpoError(
+                    f"step {step}: {len(kept_rows)} of {self.batch_size} prompts kept after trainer.max_try_make_batch="
+                    f"{limit} tries of {size}; widen algorithm.filter_low/filter_high or raise max_try_make_batch"
+                )
+            rows = [self.rows[i] for i in self.try_indices(step, attempt)]
+            if not rows:
+                raise VlgrpoError(f"step {step}: every training prompt was tried and only {len(kept_rows)} of "
+                                  f"{self.batch_size} were kept; widen algorithm.filter_low/filter_high")
+            _, out, grading, part = generate(rows)
+            waited = time.perf_counter()
+            scores, try_errors = grading.result()
+            timing = {k: timing[k] + part[k] for k in timing}
+            timing["grading"] += time.perf_counter() - waited
+            every_score += scores
+            errors += try_errors
+            keep = [True] * len(rows)
+            if filtering:
+                key = algorithm["filter_key"]
+                if key not in scores[0]:
+                    raise VlgrpoError(f"algorithm.filter_key {key!r} is not in the reward's results (keys: {', '.join(scores[0])})")
+                keep = estimators.kept_groups(torch.tensor([s[key] for s in scores]), n,
+                                              algorithm["filter_low"], algorithm["filter_high"]).tolist()
+            chosen = [g for g, k in enumerate(keep) if k][: self.batch_size - len(kept_rows)]
+            members = [g * n + j for g in chosen for j in range(n)]
+            kept_rows += [rows[g] for g in chosen]
+            kept_out.append(select_rollout(out, members))
+            kept_scores += [scores[i] for i in members]
+            self.heartbeat.beat()
+        started = time.perf_counter()
+        prompts = encode_batch(self.processor, kept_rows, n, self.device)  # one padding for the whole batch
+        timing["encode"] += time.perf_counter() - started
+        out = concat_rollouts(kept_out, self.processor.tokenizer.pad_token_id)
+        info = {"batch/num_try_make_batch": attempt, "batch/num_prompts_tried": len(every_score) // n,
+                **{f"reward/{k}": sum(s[k] for s in every_score) / len(every_score) for k in ("overall", "format", "accuracy")}}
+        return kept_rows, prompts, out, Graded(kept_scores, errors), timing, info
+
+    def remax_baselines(self, step: int, rows: list[dict], params: SamplingParams) -> tuple[torch.Tensor, dict]:
+        """ReMax's baselines: the overall reward of one greedy response to each of the step's prompts
+        (the same engine), (N,) in batch order (each prompt's n times), and that rollout's timing."""
+        greedy = SamplingParams(0.0, 1.0, params.max_tokens, params.ignore_eos)
+        _, _, grading, timing = generate_and_grade(self.engine, self.processor, rows, 1, (self.cfg["seed"], step), greedy,
+                                                   len(rows), self.reward_fn, self.device)
+        waited = time.perf_counter()
+        scores, _ = grading.result()
+        timing["grading"] += time.perf_counter() - waited
+        n = self.cfg["worker"]["rollout"]["n"]
+        return torch.tensor([s["overall"] for s in scores], dtype=torch.float32).repeat_interleave(n), timing
+
     def step(self, step: int) -> dict:
-        cfg, rollout_cfg, actor = self.cfg, self.cfg["worker"]["rollout"], self.cfg["worker"]["actor"]
+        cfg, rollout_cfg, actor, algorithm = self.cfg, self.cfg["worker"]["rollout"], self.cfg["worker"]["actor"], self.cfg["algorithm"]
         if self.faults.fires("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.faults.fires("stall", step):
@@ -247,17 +357,19 @@ class GRPOTrainer:
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.reset_accumulated_memory_stats()
         step_start = time.perf_counter()
-        rows = [self.rows[i] for i in self.batch_indices(step)]
         params = SamplingParams(
             rollout_cfg["temperature"], rollout_cfg["top_p"], cfg["data"]["max_response_length"], rollout_cfg["ignore_eos"]
         )
         # Grading runs on other CPU cores while old and ref run; `reward` is the time the step waits for it.
         if distributed.is_sharded(self.policy) and rollout_cfg["engine"] == "static":
             self._make_engine()  # its captured graphs hold the addresses of the last gathering's weights
-        prompts, out, grading, gen_timing = generate_and_grade(
-            self.engine, self.processor, rows, n, (cfg["seed"], step), params, len(rows) * n, self.reward_fn, self.device
-        )
+        rows, prompts, out, grading, gen_timing, batch_info = self.make_batch(step, params)
         timing["gen"], reward_s = gen_timing["encode"] + gen_timing["generation"], gen_timing["grading"]
+        baselines = None
+        if algorithm["adv_estimator"] == "remax":
+            baselines, remax_timing = self.remax_baselines(step, rows, params)
+            timing["gen"] += remax_timing["encode"] + remax_timing["generation"]
+            reward_s += remax_timing["grading"]
         self.heartbeat.beat()
         seqlens = (out.lengths + prompts.attention_mask.sum(-1)).tolist()  # (N,) prompt + response tokens, batch order
         mini = actor["global_batch_size"] * n
@@ -265,7 +377,7 @@ class GRPOTrainer:
                       for s in range(0, len(prompts), mini)]
         micro = actor["micro_batch_size_per_device_for_experience"]
         with timer(timing, "old"):  # the update fills the rows it computes itself (old_logprobs_from_update)
-            first = actor["global_batch_size"] * n if actor["old_logprobs_from_update"] else 0
+            first = actor["global_batch_size"] * n if self.old_from_update else 0
             old_logp = self._logprobs(self.policy, prompts, out.responses, out.response_mask, micro, list(range(first, len(prompts))))
         ref_logp = None
         if self.ref is not None:
@@ -275,8 +387,19 @@ class GRPOTrainer:
             scores, reward_errors = grading.result()
             overall = torch.tensor([s["overall"] for s in scores], dtype=torch.float32)
         timing["reward"] += reward_s
+        kl_metrics = {}
         with timer(timing, "adv"):
-            advantages = grpo.grpo_advantages(overall, n)
+            mask = out.response_mask.float()
+            token_rewards = estimators.token_level_scores(overall, mask)  # (N, R)
+            if self.kl_mode == "reward":
+                token_rewards, current_kl = estimators.kl_in_reward(
+                    token_rewards, old_logp, ref_logp, mask, self.kl_coef, algorithm["kl_penalty"])
+                kl_metrics = {"actor/kl_penalty": current_kl, "actor/kl_coef": self.kl_coef}
+                if algorithm["kl_type"] == "adaptive":
+                    self.kl_coef = estimators.adaptive_kl_coef(self.kl_coef, current_kl, len(overall),
+                                                               algorithm["kl_target"], algorithm["kl_horizon"])
+            advantages, returns = estimators.compute_advantages(
+                algorithm["adv_estimator"], token_rewards, mask, n, algorithm["gamma"], baselines)
         with timer(timing, "update_actor"):
             update = self.update_actor(step, prompts, out, old_logp, ref_logp, advantages)
         timing["step"] = time.perf_counter() - step_start
@@ -289,8 +412,10 @@ class GRPOTrainer:
             "step": step,
             **{f"reward/{k}": sum(s[k] for s in scores) / len(scores) for k in ("overall", "format", "accuracy")},
             "reward/errors": reward_errors,
+            **batch_info,
             **update,
-            **metrics.data_metrics(overall, overall, advantages, out.response_mask),
+            **kl_metrics,
+            **metrics.data_metrics(overall, (token_rewards * mask).sum(-1), advantages, out.response_mask, returns),
             "critic/zero_adv_group_frac": (groups.max(1).values == groups.min(1).values).float().mean().item(),
             **metrics.length_metrics("response_length", lengths, cfg["data"]["max_response_length"]),
             **metrics.length_metrics("prompt_length", prompt_lengths, cfg["data"]["max_prompt_length"]),
@@ -338,7 +463,7 @@ class GRPOTrainer:
         self.policy.train()
         for epoch in range(actor["ppo_epochs"]):
             for index_mb, start in enumerate(range(0, len(prompts), mini)):
-                on_policy = actor["old_logprobs_from_update"] and epoch == 0 and start == 0
+                on_policy = self.old_from_update and epoch == 0 and start == 0
                 mini_rows = list(range(start, min(start + mini, len(prompts))))
                 mask = out.response_mask[mini_rows].float()
                 denominator = float(mask.sum()) if mode == "token" else float(len(mini_rows))
@@ -355,11 +480,11 @@ class GRPOTrainer:
                     loss, metrics = grpo.policy_loss(
                         logp, old_d.index_select(0, index), adv_d.index_select(0, index), rmask,
                         actor["clip_ratio_low"], actor["clip_ratio_high"], actor["clip_ratio_dual"],
-                        mode, denominator,
+                        mode, denominator, actor["loss_type"], actor["tau_positive"], actor["tau_negative"],
                     )
-                    if ref_logp is not None:
+                    if self.kl_mode == "loss":
                         kl = grpo.aggregate(
-                            grpo.kl_penalty(logp, ref_d.index_select(0, index), algorithm["kl_type"]), rmask, mode, denominator
+                            grpo.kl_penalty(logp, ref_d.index_select(0, index), algorithm["kl_penalty"]), rmask, mode, denominator
                         )
                         loss = loss + algorithm["kl_coef"] * kl
                         metrics["kl_loss"] = kl.detach()
@@ -388,13 +513,15 @@ class GRPOTrainer:
                             f"{cfg['trainer']['max_nonfinite_steps']}); the segment stops here"
                         )
         self.policy.eval()
-        if actor["old_logprobs_from_update"]:
+        if self.old_from_update:
             old_logp[:mini] = distributed.all_reduce(old_d[:mini].cpu())  # each rank filled its rows
         # Micro-batch metrics were normalised by the mini-batch: their sum (over ranks too) is the mini-batch value.
         sums = distributed.over_ranks({k: float(v) for k, v in sums.items()})  # one wait for the device, here
         sums["grad_norm"] = norms  # already global
         record = {f"actor/{k}": v / updates for k, v in sums.items()}
-        record.update({"actor/lr": lr, "actor/kl_coef": algorithm["kl_coef"] if ref_logp is not None else 0.0})
+        record["actor/lr"] = lr
+        if self.kl_mode == "loss":
+            record["actor/kl_coef"] = algorithm["kl_coef"]
         record["actor/nonfinite_skipped"] = skipped
         return record
 

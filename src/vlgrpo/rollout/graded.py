@@ -37,6 +37,29 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
                    [t for p in parts for t in p.texts], torch.cat([p.truncated for p in parts]))
 
 
+def select_rollout(out: Rollout, rows: list[int]) -> Rollout:
+    """The given rows of a Rollout, in that order."""
+    index = torch.tensor(rows, dtype=torch.long)
+    return Rollout(out.responses[index], out.response_mask[index], out.logp[index], [out.texts[i] for i in rows],
+                   out.truncated[index])
+
+
+def encode_batch(processor, rows: list[dict], n: int, device: torch.device) -> PromptBatch:
+    """The PromptBatch of `rows`, each prompt repeated n times in a row (len(rows) * n rows)."""
+    enc = encode_prompts(processor, rows, device)  # pixels made on the model's device: no host copies on a GPU
+    return PromptBatch.from_processor(enc, [len(r["images"]) for r in rows], [r["images"] for r in rows]).repeat_interleave(n)
+
+
+class Graded:
+    """Grading already done (a batch assembled from several tries): result() as Grading's."""
+
+    def __init__(self, scores: list[dict[str, float]], errors: int):
+        self.scores, self.errors = scores, errors
+
+    def result(self) -> tuple[list[dict[str, float]], int]:
+        return self.scores, self.errors
+
+
 class GatheredGrading:
     """The whole batch's grading from each rank's share: result() gathers scores in rank order and
     sums the error counts; a rank whose grading failed fails every rank (none waits forever)."""
@@ -70,8 +93,7 @@ def generate_and_grade(
     of the rows (batch_size rows per generate call), the rollout is gathered, result() gathers the scores.
     """
     start = time.perf_counter()
-    enc = encode_prompts(processor, rows, device)  # pixels made on the model's device: no host copies on a GPU
-    prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows], [r["images"] for r in rows]).repeat_interleave(n)
+    prompts = encode_batch(processor, rows, n, device)
     keys = torch.tensor([sample_key(*key_prefix, r["index"], j) for r in rows for j in range(n)])
     answers = [r["answer"] for r in rows for _ in range(n)]
     encoded = time.perf_counter()

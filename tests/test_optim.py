@@ -3,6 +3,7 @@
 import copy
 import io
 import json
+import math
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ HYPER = {"lr": 1e-6, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}  
 
 def optim_cfg(**optim_overrides) -> dict:
     optim_cfg = {"strategy": "adamw_bf16", "lr": 1e-6, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 1e-2,
-                 "lr_warmup_steps": None, "lr_warmup_ratio": 0.0, **optim_overrides}
+                 "lr_warmup_steps": None, "lr_warmup_ratio": 0.0, "lr_scheduler_type": "constant", "min_lr_ratio": None,
+                 **optim_overrides}
     return {"worker": {"actor": {"optim": optim_cfg}}}
 
 
@@ -201,6 +203,38 @@ def test_warmup_equals_easyr1_to_the_step(warmup_steps, warmup_ratio, total):
     assert [lr_at(cfg, step, total) for step in range(1, total + 1)] == easyr1_lrs(warmup, total, 1e-6)
     if warmup:
         assert lr_at(cfg, 1, total) == 0.0  # the first update's factor counts from 0
+
+
+def easyr1_cosine_lrs(warmup: int, steps: int, lr: float, min_lr_ratio: float) -> list[float]:
+    """EasyR1's cosine schedule (get_cosine_schedule_with_warmup, num_cycles 0.5, init_lr_ratio 0), as
+    the trainer reads and steps it: worked out from its lambda, one LambdaLR step per training step."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([param], lr=lr)
+
+    def factor(k):
+        if k < warmup:
+            return k / max(1, warmup)
+        progress = (k - warmup) / max(1, steps - warmup)
+        return max(min_lr_ratio, math.cos(math.pi * 0.5 * 2.0 * progress) * (1 - min_lr_ratio) * 0.5 + (1 + min_lr_ratio) * 0.5)
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    out = []
+    for _ in range(steps):
+        out.append(schedule.get_last_lr()[0])
+        opt.step()
+        schedule.step()
+    return out
+
+
+@pytest.mark.parametrize("warmup_ratio, total, min_lr_ratio", [(0.0, 10, None), (0.2, 10, 0.1), (0.5, 7, 0.5), (0.0, 1, 0.0)])
+def test_cosine_schedule_equals_easyr1_to_the_step(warmup_ratio, total, min_lr_ratio):
+    cfg = optim_cfg(lr=1e-6, lr_warmup_ratio=warmup_ratio, lr_scheduler_type="cosine", min_lr_ratio=min_lr_ratio)
+    expected = easyr1_cosine_lrs(int(warmup_ratio * total), total, 1e-6, min_lr_ratio or 0.0)
+    assert [lr_at(cfg, step, total) for step in range(1, total + 1)] == pytest.approx(expected, rel=1e-12, abs=0)
+    # By hand, 10 steps, no warm-up, floor 0: step k's factor is (1 + cos(pi (k - 1) / 10)) / 2
+    if (warmup_ratio, total, min_lr_ratio) == (0.0, 10, None):
+        assert lr_at(cfg, 1, 10) == 1e-6 and lr_at(cfg, 6, 10) == pytest.approx(0.5e-6) and lr_at(cfg, 10, 10) == pytest.approx(
+            1e-6 * (1 + math.cos(math.pi * 0.9)) / 2)
 
 
 def test_bench_optim_runs_on_the_cpu(tmp_path):

@@ -38,7 +38,7 @@ def test_a_minimal_recipe_takes_the_schema_defaults():
     assert cfg["worker.actor.optim.lr"] == 1e-6 and cfg["trainer.device"] == "auto" and cfg["worker.rollout.n"] == 4
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl_3b_geo3k.yaml", "easyr1_geo3k_default.yaml", "bench_h200.yaml", "bench_cpu.yaml"])
+@pytest.mark.parametrize("name", ["qwen2_5_vl_3b_geo3k.yaml", "bench_h200.yaml", "bench_cpu.yaml"])  # EasyR1's: test_from_easyr1.py
 def test_configs_stand_on_their_own(name):
     config.load(ROOT / "configs" / name)
 

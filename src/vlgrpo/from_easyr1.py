@@ -257,7 +257,8 @@ RULES: dict[str, Rule] = {
     "worker.rollout.temperature": mapped(1.0, "worker.rollout.temperature"),
     "worker.rollout.top_p": mapped(1.0, "worker.rollout.top_p"),
     "worker.rollout.top_k": mapped(-1, "worker.rollout.top_k"),
-    "worker.rollout.seed": unsupported(1, "vlgrpo has one seed (data.seed's key)", lambda v, values: v == values.get("data.seed", 1)),
+    "worker.rollout.seed": no_effect(1, "vLLM's sampling seed; vlgrpo keys every sample by the one seed (data.seed), "
+                                        "step, prompt and sample, in random streams that are not vLLM's anyway"),
     "worker.rollout.limit_images": no_effect(0, _VLLM_ONLY.format("limit_images")),
     "worker.rollout.dtype": built_in("bf16", "rollouts run in the model's dtype (model.dtype)",
                                      lambda v, values: v == values.get("worker.actor.fsdp.mp_param_dtype", "bf16")),

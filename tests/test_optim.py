@@ -178,20 +178,23 @@ def test_build_optimizer_picks_the_strategy():
     assert len(build_optimizer(optim_cfg(), frozen).param_groups[0]["params"]) == 4
 
 
-def easyr1_lrs(warmup: int, steps: int, lr: float) -> list[float]:
-    """EasyR1's lr per training step: LambdaLR with get_constant_schedule_with_warmup's factor, read
-    (get_last_lr) for the update, then stepped once per training step (verl/workers/fsdp_workers.py)."""
+def easyr1_schedule(factor, steps: int, lr: float) -> list[float]:
+    """EasyR1's lr per training step: a LambdaLR with `factor`, read (get_last_lr) for the update, then
+    stepped once per training step (verl/workers/fsdp_workers.py)."""
     param = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([param], lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda k: min(1.0, k / max(1, warmup)) if k < warmup else 1.0
-    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     out = []
     for _ in range(steps):
         out.append(schedule.get_last_lr()[0])
         opt.step()
         schedule.step()
     return out
+
+
+def easyr1_lrs(warmup: int, steps: int, lr: float) -> list[float]:
+    """get_constant_schedule_with_warmup's factor."""
+    return easyr1_schedule(lambda k: min(1.0, k / max(1, warmup)) if k < warmup else 1.0, steps, lr)
 
 
 @pytest.mark.parametrize("warmup_steps, warmup_ratio, total", [(None, 0.0, 10), (0, 0.0, 10), (1, 0.0, 10), (4, 0.0, 10),
@@ -206,10 +209,7 @@ def test_warmup_equals_easyr1_to_the_step(warmup_steps, warmup_ratio, total):
 
 
 def easyr1_cosine_lrs(warmup: int, steps: int, lr: float, min_lr_ratio: float) -> list[float]:
-    """EasyR1's cosine schedule (get_cosine_schedule_with_warmup, num_cycles 0.5, init_lr_ratio 0), as
-    the trainer reads and steps it: worked out from its lambda, one LambdaLR step per training step."""
-    param = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.AdamW([param], lr=lr)
+    """get_cosine_schedule_with_warmup's factor (num_cycles 0.5, init_lr_ratio 0), worked out from its lambda."""
 
     def factor(k):
         if k < warmup:
@@ -217,13 +217,7 @@ def easyr1_cosine_lrs(warmup: int, steps: int, lr: float, min_lr_ratio: float) -
         progress = (k - warmup) / max(1, steps - warmup)
         return max(min_lr_ratio, math.cos(math.pi * 0.5 * 2.0 * progress) * (1 - min_lr_ratio) * 0.5 + (1 + min_lr_ratio) * 0.5)
 
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-    out = []
-    for _ in range(steps):
-        out.append(schedule.get_last_lr()[0])
-        opt.step()
-        schedule.step()
-    return out
+    return easyr1_schedule(factor, steps, lr)
 
 
 @pytest.mark.parametrize("warmup_ratio, total, min_lr_ratio", [(0.0, 10, None), (0.2, 10, 0.1), (0.5, 7, 0.5), (0.0, 1, 0.0)])

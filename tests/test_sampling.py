@@ -126,3 +126,18 @@ def test_top_k_keeps_the_k_most_likely_then_top_p_on_their_renormalised_mass():
     assert keyed_sample(logits, keys[:1], 0, 0.0, 1.0, top_k=2)[0].item() == 0
     alone, _ = keyed_sample(logits.expand(3, 4)[1:2], keys[1:2], 0, 1.0, 1.0, top_k=3)
     assert alone.item() == keyed_sample(logits.expand(3, 4), keys[:3], 0, 1.0, 1.0, top_k=3)[0][1].item()
+
+
+def test_responses_are_decoded_as_worker_reward_skip_special_tokens_says():
+    """EasyR1's skip_special_tokens: the texts the reward function grades keep special tokens when false."""
+    from vlgrpo.rollout.hf import finish_rollout
+
+    class Tokenizer:  # id 9 is a special token (<|im_end|>, the EOS here)
+        def batch_decode(self, rows, skip_special_tokens):
+            return [" ".join("<|im_end|>" if t == 9 else str(t) for t in row if not (skip_special_tokens and t == 9)) for row in rows]
+
+    responses = torch.tensor([[5, 6, 9, 7], [8, 8, 8, 8]])
+    kept = finish_rollout(responses, torch.zeros(2, 4), [9], 0, Tokenizer(), False, skip_special_tokens=False)
+    skipped = finish_rollout(responses, torch.zeros(2, 4), [9], 0, Tokenizer(), False)
+    assert kept.texts == ["5 6 <|im_end|>", "8 8 8 8"] and skipped.texts == ["5 6", "8 8 8 8"]
+    assert kept.truncated.tolist() == [False, True] and kept.response_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]

@@ -38,7 +38,7 @@ def test_a_minimal_recipe_takes_the_schema_defaults():
     assert cfg["worker.actor.optim.lr"] == 1e-6 and cfg["trainer.device"] == "auto" and cfg["worker.rollout.n"] == 4
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl_3b_geo3k.yaml", "easyr1_geo3k_default.yaml", "bench_h200.yaml", "bench_cpu.yaml"])
+@pytest.mark.parametrize("name", ["qwen2_5_vl_3b_geo3k.yaml", "bench_h200.yaml", "bench_cpu.yaml"])  # EasyR1's: test_from_easyr1.py
 def test_configs_stand_on_their_own(name):
     config.load(ROOT / "configs" / name)
 
@@ -51,7 +51,7 @@ def test_seed_recipe_values():
     assert (actor["optim"]["lr"], cfg["algorithm"]["kl_coef"], cfg["algorithm"]["kl_penalty"]) == (1e-6, 1e-2, "low_var_kl")
     assert (actor["clip_ratio_low"], actor["clip_ratio_high"], actor["clip_ratio_dual"]) == (0.2, 0.3, 3.0)
     assert (cfg["trainer"]["max_steps"], cfg["trainer"]["save_freq"], cfg["trainer"]["val_freq"]) == (195, 5, 5)
-    assert rollout["val_override_config"] == {"temperature": 0.6, "top_p": 0.95, "n": 1}
+    assert rollout["val_override_config"] == {"temperature": 0.6, "top_p": 0.95, "top_k": None, "n": 1}
 
 
 AUTO = {  # what each fast path is on CUDA

@@ -3,6 +3,7 @@
 import copy
 import io
 import json
+import math
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ HYPER = {"lr": 1e-6, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}  
 
 def optim_cfg(**optim_overrides) -> dict:
     optim_cfg = {"strategy": "adamw_bf16", "lr": 1e-6, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 1e-2,
-                 "lr_warmup_steps": None, "lr_warmup_ratio": 0.0, **optim_overrides}
+                 "lr_warmup_steps": None, "lr_warmup_ratio": 0.0, "lr_scheduler_type": "constant", "min_lr_ratio": None,
+                 **optim_overrides}
     return {"worker": {"actor": {"optim": optim_cfg}}}
 
 
@@ -176,20 +178,23 @@ def test_build_optimizer_picks_the_strategy():
     assert len(build_optimizer(optim_cfg(), frozen).param_groups[0]["params"]) == 4
 
 
-def easyr1_lrs(warmup: int, steps: int, lr: float) -> list[float]:
-    """EasyR1's lr per training step: LambdaLR with get_constant_schedule_with_warmup's factor, read
-    (get_last_lr) for the update, then stepped once per training step (verl/workers/fsdp_workers.py)."""
+def easyr1_schedule(factor, steps: int, lr: float) -> list[float]:
+    """EasyR1's lr per training step: a LambdaLR with `factor`, read (get_last_lr) for the update, then
+    stepped once per training step (verl/workers/fsdp_workers.py)."""
     param = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([param], lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda k: min(1.0, k / max(1, warmup)) if k < warmup else 1.0
-    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     out = []
     for _ in range(steps):
         out.append(schedule.get_last_lr()[0])
         opt.step()
         schedule.step()
     return out
+
+
+def easyr1_lrs(warmup: int, steps: int, lr: float) -> list[float]:
+    """get_constant_schedule_with_warmup's factor."""
+    return easyr1_schedule(lambda k: min(1.0, k / max(1, warmup)) if k < warmup else 1.0, steps, lr)
 
 
 @pytest.mark.parametrize("warmup_steps, warmup_ratio, total", [(None, 0.0, 10), (0, 0.0, 10), (1, 0.0, 10), (4, 0.0, 10),
@@ -201,6 +206,29 @@ def test_warmup_equals_easyr1_to_the_step(warmup_steps, warmup_ratio, total):
     assert [lr_at(cfg, step, total) for step in range(1, total + 1)] == easyr1_lrs(warmup, total, 1e-6)
     if warmup:
         assert lr_at(cfg, 1, total) == 0.0  # the first update's factor counts from 0
+
+
+def easyr1_cosine_lrs(warmup: int, steps: int, lr: float, min_lr_ratio: float) -> list[float]:
+    """get_cosine_schedule_with_warmup's factor (num_cycles 0.5, init_lr_ratio 0), worked out from its lambda."""
+
+    def factor(k):
+        if k < warmup:
+            return k / max(1, warmup)
+        progress = (k - warmup) / max(1, steps - warmup)
+        return max(min_lr_ratio, math.cos(math.pi * 0.5 * 2.0 * progress) * (1 - min_lr_ratio) * 0.5 + (1 + min_lr_ratio) * 0.5)
+
+    return easyr1_schedule(factor, steps, lr)
+
+
+@pytest.mark.parametrize("warmup_ratio, total, min_lr_ratio", [(0.0, 10, None), (0.2, 10, 0.1), (0.5, 7, 0.5), (0.0, 1, 0.0)])
+def test_cosine_schedule_equals_easyr1_to_the_step(warmup_ratio, total, min_lr_ratio):
+    cfg = optim_cfg(lr=1e-6, lr_warmup_ratio=warmup_ratio, lr_scheduler_type="cosine", min_lr_ratio=min_lr_ratio)
+    expected = easyr1_cosine_lrs(int(warmup_ratio * total), total, 1e-6, min_lr_ratio or 0.0)
+    assert [lr_at(cfg, step, total) for step in range(1, total + 1)] == pytest.approx(expected, rel=1e-12, abs=0)
+    # By hand, 10 steps, no warm-up, floor 0: step k's factor is (1 + cos(pi (k - 1) / 10)) / 2
+    if (warmup_ratio, total, min_lr_ratio) == (0.0, 10, None):
+        assert lr_at(cfg, 1, 10) == 1e-6 and lr_at(cfg, 6, 10) == pytest.approx(0.5e-6) and lr_at(cfg, 10, 10) == pytest.approx(
+            1e-6 * (1 + math.cos(math.pi * 0.9)) / 2)
 
 
 def test_bench_optim_runs_on_the_cpu(tmp_path):

@@ -9,8 +9,9 @@ def cfg(**trainer):
     return config.validate({**BASE, "trainer": trainer})
 
 
-def test_total_steps_is_capped_by_max_steps():
+def test_total_steps_are_max_steps_where_set_as_easyr1_counts_them():
     assert plan.total_steps(cfg(total_epochs=15, max_steps=195), 65) == 195
+    assert plan.total_steps(cfg(total_epochs=2, max_steps=200), 65) == 200  # not min(130, 200): epochs repeat
     assert plan.total_steps(cfg(total_epochs=2, max_steps=None), 65) == 130
     with pytest.raises(ValueError, match="smaller than one rollout batch"):
         plan.total_steps(cfg(), 0)

@@ -180,7 +180,7 @@ def test_score_responses_scores_a_raising_reward_0_and_counts_it(caplog):
 
 
 def test_score_responses_treats_a_broken_result_as_a_failure():
-    results = iter([{"overall": 1}, None, {"overall": 1, "format": 0, "accuracy": True, "extra": 2}])
+    results = iter([{"format": 1}, None, {"overall": 1, "format": 0, "accuracy": True, "extra": 2}])  # no overall, no dict
     scores, n_failed = score_responses(lambda r, g: next(results), ["a", "b", "c"], ["x"] * 3)
     assert n_failed == 2
     zeros = {"overall": 0.0, "format": 0.0, "accuracy": 0.0, "extra": 0.0}
@@ -299,7 +299,7 @@ def test_the_form_is_read_from_the_config_or_the_signature(form_files):
 
 def reward_cfg(spec: str, **overrides) -> dict:
     return {"worker": {"reward": {"reward_function": spec, "format_weight": None, "reward_type": None,
-                                  "max_error_fraction": 1.0, **overrides}}}
+                                  "max_error_fraction": 1.0, "reward_function_kwargs": {}, **overrides}}}
 
 
 def test_a_function_that_breaks_the_contract_stops_before_the_run(form_files):
@@ -311,7 +311,7 @@ def test_a_function_that_breaks_the_contract_stops_before_the_run(form_files):
     liar = form_files["sequential"].parent / "liar.py"
     liar.write_text(SEQUENTIAL_FILE.replace('REWARD_TYPE = "sequential"', 'REWARD_TYPE = "batch"'))
     cases = [(f"{liar}:compute_score", {}, "batch", "ValueError: Please use reward_type=sequential"),
-             (f"{form_files['undeclared']}:wrong_keys", {}, "vlgrpo", "lacks keys ['overall', 'format', 'accuracy']")]
+             (f"{form_files['undeclared']}:wrong_keys", {}, "vlgrpo", "lacks keys ['overall']")]
     for spec, overrides, form, cause in cases:
         with pytest.raises(RewardContractError) as error:
             reward_from_config(reward_cfg(spec, **overrides), answers)
@@ -339,3 +339,50 @@ def test_too_many_failures_stop_with_the_first_traceback():
     assert score_responses(strict, [ok, bad, ok, ok], ["3"] * 4)[1] == 1  # 1 of 4 is not more than 25%
     with pytest.raises(RewardFailure, match="2 of 4 responses .*max_error_fraction=0.25"):
         score_responses(strict, [ok, bad, bad, ok], ["3"] * 4)
+
+
+# EasyR1's examples/reward_function/dapo.py in outline: a batch function with three required keywords
+# (reward_function_kwargs) whose results hold no `format`.
+OVERLONG_FILE = """
+REWARD_TYPE = "batch"
+
+
+def compute_score(reward_inputs, max_response_length, overlong_buffer_length, overlong_penalty_factor):
+    out = []
+    for item in reward_inputs:
+        accuracy = 1.0 if item["response"].strip().endswith(item["ground_truth"]) else -1.0
+        expected = max_response_length - overlong_buffer_length
+        n = item["response_length"]
+        overlong = 0.0 if n <= expected else (expected - n) / overlong_buffer_length if n <= max_response_length else -1.0
+        out.append({"overall": accuracy + overlong * overlong_penalty_factor, "accuracy": accuracy, "overlong": overlong})
+    return out
+
+
+def main(reward_inputs):
+    return [{"overall": 2.0} for _ in reward_inputs]
+"""
+
+
+def test_reward_function_kwargs_are_bound_and_only_overall_is_required(tmp_path):
+    path = tmp_path / "overlong.py"
+    path.write_text(OVERLONG_FILE)
+    kwargs = {"max_response_length": 10, "overlong_buffer_length": 4, "overlong_penalty_factor": 0.5}
+    fn = reward_from_config(reward_cfg(f"{path}:compute_score", reward_function_kwargs=kwargs), ["3", "4"])
+    assert fn.form == "batch"
+    scores, failed = score_responses(fn, ["x 3", "x 4", "x 5"], ["3", "4", "4"], lengths=[6, 8, 12])
+    # lengths 6 <= 10 - 4: no penalty; 8: (6 - 8) / 4 = -0.5; 12 > 10: -1
+    assert failed == 0
+    assert scores == [{"overall": 1.0, "accuracy": 1.0, "overlong": 0.0},
+                      {"overall": 1.0 - 0.25, "accuracy": 1.0, "overlong": -0.5},
+                      {"overall": -1.0 - 0.5, "accuracy": -1.0, "overlong": -1.0}]
+    with pytest.raises(RewardContractError, match=r"\['overlong_factor'\], which reward function .* does not take"):
+        reward_from_config(reward_cfg(f"{path}:compute_score", reward_function_kwargs={"overlong_factor": 1.0}), ["3"])
+    with pytest.raises(RewardContractError, match="missing 1 required positional argument"):  # a keyword left out
+        reward_from_config(reward_cfg(f"{path}:compute_score", reward_function_kwargs={k: v for k, v in kwargs.items() if k != "max_response_length"}), ["3"])
+
+
+def test_a_file_alone_means_its_main_function(tmp_path):
+    path = tmp_path / "overlong.py"
+    path.write_text(OVERLONG_FILE)
+    fn = reward_from_config(reward_cfg(str(path)), ["3"])
+    assert fn.name == str(path) and fn("x", "3", 1) == {"overall": 2.0}

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from vlgrpo.rollout.sampling import keyed_sample, sample_key, top_p_mask, uniform_noise
+from vlgrpo.rollout.sampling import keyed_sample, sample_key, top_k_mask, top_p_mask, uniform_noise
 
 
 def test_sample_key_is_a_pure_function_of_its_parts():
@@ -105,3 +105,39 @@ def test_greedy_is_argmax():
     assert torch.equal(tokens, logits.argmax(-1))
     assert torch.allclose(logp, logits.log_softmax(-1).max(-1).values)
     assert math.isclose(float(logp.exp().sum()), float(logits.softmax(-1).max(-1).values.sum()), rel_tol=1e-6)
+
+
+def test_top_k_keeps_the_k_most_likely_then_top_p_on_their_renormalised_mass():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    assert torch.isfinite(top_k_mask(logits, 2)).tolist() == [[True, True, False, False]]
+    assert torch.equal(top_k_mask(logits, -1), logits) and torch.equal(top_k_mask(logits, 4), logits)
+    n = 20000
+    keys = torch.tensor([sample_key(5, i) for i in range(n)])
+    tokens, logp = keyed_sample(logits.expand(n, 4), keys, 0, 1.0, 1.0, top_k=3)
+    freq = torch.bincount(tokens, minlength=4).float() / n
+    assert torch.allclose(freq, torch.tensor([4 / 9, 3 / 9, 2 / 9, 0.0]), atol=0.01)  # 0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9
+    assert torch.allclose(logp, logits[0].log_softmax(-1)[tokens])  # log-probs of the full distribution, as training
+    # top_p 0.75 after top_k 2 acts on (4/7, 3/7): {0, 1}; on the full distribution it keeps {0, 1, 2} (mass 0.7 before 2)
+    tokens, _ = keyed_sample(logits.expand(n, 4), keys, 0, 1.0, 0.75, top_k=2)
+    assert set(tokens.tolist()) == {0, 1}
+    tokens, _ = keyed_sample(logits.expand(n, 4), keys, 0, 1.0, 0.75)
+    assert set(tokens.tolist()) == {0, 1, 2}
+    # greedy ignores it; the same keys give the same tokens whatever the batch
+    assert keyed_sample(logits, keys[:1], 0, 0.0, 1.0, top_k=2)[0].item() == 0
+    alone, _ = keyed_sample(logits.expand(3, 4)[1:2], keys[1:2], 0, 1.0, 1.0, top_k=3)
+    assert alone.item() == keyed_sample(logits.expand(3, 4), keys[:3], 0, 1.0, 1.0, top_k=3)[0][1].item()
+
+
+def test_responses_are_decoded_as_worker_reward_skip_special_tokens_says():
+    """EasyR1's skip_special_tokens: the texts the reward function grades keep special tokens when false."""
+    from vlgrpo.rollout.hf import finish_rollout
+
+    class Tokenizer:  # id 9 is a special token (<|im_end|>, the EOS here)
+        def batch_decode(self, rows, skip_special_tokens):
+            return [" ".join("<|im_end|>" if t == 9 else str(t) for t in row if not (skip_special_tokens and t == 9)) for row in rows]
+
+    responses = torch.tensor([[5, 6, 9, 7], [8, 8, 8, 8]])
+    kept = finish_rollout(responses, torch.zeros(2, 4), [9], 0, Tokenizer(), False, skip_special_tokens=False)
+    skipped = finish_rollout(responses, torch.zeros(2, 4), [9], 0, Tokenizer(), False)
+    assert kept.texts == ["5 6 <|im_end|>", "8 8 8 8"] and skipped.texts == ["5 6", "8 8 8 8"]
+    assert kept.truncated.tolist() == [False, True] and kept.response_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]

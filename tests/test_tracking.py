@@ -119,3 +119,67 @@ def test_segments_and_validations_log_into_one_wandb_run_offline(tmp_path, monke
         {"step": 1, "reward/overall": 0.5, "timing_s/save_checkpoint": 0.25, "val/accuracy_reward": 0.2, "timing_s/validation": 3.0},
         {"step": 2, "reward/overall": 0.6},
     ]
+
+
+def test_console_tensorboard_and_mlflow_get_every_record_of_every_job(tmp_path, capsys):
+    """trainer.logger with EasyR1's names: two jobs (a segment, a validation) log into one TensorBoard
+    folder and one MLflow run (a local SQLite store), each scalar at its training step."""
+    pytest.importorskip("tensorboard", reason="trainer.logger tensorboard needs tensorboard: pip install -e '.[loggers]'")
+    pytest.importorskip("mlflow", reason="trainer.logger mlflow needs mlflow: pip install -e '.[loggers]'")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = config.validate({**BASE, "results_dir": str(tmp_path), "trainer": {"logger": ["console", "file", "tensorboard", "mlflow"]}})
+    exp = config.experiment_dir(cfg)
+    first = Tracker(cfg, exp)
+    first.log({"step": 1, "reward/overall": 0.5, "actor/lr": 1e-6})
+    first.close()
+    evaluate.log_validation(cfg, {"step": 1, "val/pass@4": 0.25, "val/overall_reward": 0.75})
+    second = Tracker(cfg, exp)
+    second.log({"step": 2, "reward/overall": 0.625, "actor/lr": 1e-6})
+    second.close()
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "step 1 (train): actor/lr=1e-06 reward/overall=0.5"
+    assert "step 1 (val): val/overall_reward=0.75 val/pass@4=0.25" in printed
+
+    scalars: dict = {}
+    for events in sorted((exp / "tensorboard").glob("events.out.tfevents.*")):  # one file per job
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    assert sorted(scalars) == ["actor/lr", "reward/overall", "val/overall_reward", "val/pass@4"]
+    assert sorted(scalars["reward/overall"]) == [(1, 0.5), (2, 0.625)] and scalars["val/pass@4"] == [(1, 0.25)]
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{(exp / 'mlflow.db').resolve()}")
+    run_id = (exp / "mlflow_run_id").read_text().strip()
+    (run,) = client.search_runs([client.get_experiment_by_name("vlgrpo").experiment_id])
+    assert run.info.run_id == run_id and run.info.run_name == "t"  # one run for both jobs
+    assert run.data.params["trainer/logger"] == "['console', 'file', 'tensorboard', 'mlflow']"
+    history = {k: sorted((m.step, m.value) for m in client.get_metric_history(run_id, k))
+               for k in ("reward/overall", "val/pass_4", "val/overall_reward")}
+    assert history == {"reward/overall": [(1, 0.5), (2, 0.625)], "val/pass_4": [(1, 0.25)], "val/overall_reward": [(1, 0.75)]}
+
+
+def test_a_logger_whose_package_is_missing_is_refused_by_name(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "swanlab" else real(name, *a))
+    with pytest.raises(config.ConfigError, match=r"'trainer.logger' \['swanlab'\]: not installed here.*pip install swanlab"):
+        config.validate({**BASE, "trainer": {"logger": ["file", "swanlab"]}})
+    with pytest.raises(config.ConfigError, match="allowed values: 'console', 'file', 'wandb', 'tensorboard', 'mlflow', 'swanlab'"):
+        config.validate({**BASE, "trainer": {"logger": ["neptune"]}})
+
+
+def test_swanlab_logs_one_offline_run_where_installed(tmp_path):
+    pytest.importorskip("swanlab", reason="trainer.logger swanlab needs the swanlab package (pip install swanlab)")
+    cfg = config.validate({**BASE, "results_dir": str(tmp_path), "trainer": {"logger": ["swanlab"]}})
+    exp = config.experiment_dir(cfg)
+    for step in (1, 2):  # two jobs
+        tracker = Tracker(cfg, exp)
+        tracker.log({"step": step, "reward/overall": 0.5})
+        tracker.close()
+    run_id = (exp / "swanlab_run_id").read_text().strip()
+    logs = sorted((exp / "swanlab").glob(f"run-*-{run_id}/run-{run_id}.swanlab"))
+    assert len(logs) == 2 and all(b"reward/overall" in log.read_bytes() for log in logs)

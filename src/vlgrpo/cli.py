@@ -10,6 +10,7 @@
     vlgrpo report   --from-easyr1 LOG [LOG ...] --out DIR
     vlgrpo bench    --config configs/bench_cpu.yaml --out benchmarks/results/x.json
     vlgrpo unlock-stale [--directory DIR]    before snakemake, after a Snakemake was killed hard
+    vlgrpo from-easyr1 CONFIG.yaml [key=value ...] --out RECIPE.yaml    an EasyR1 config + script -> a recipe
 """
 
 from __future__ import annotations
@@ -164,6 +165,12 @@ def cmd_bench(argv) -> None:
     bench_main(argv)
 
 
+def cmd_from_easyr1(argv) -> None:
+    from vlgrpo.from_easyr1 import main as from_easyr1_main
+
+    sys.exit(from_easyr1_main(argv))
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     # Tensors of many sizes near the GPU's capacity: with expandable segments a new size extends a
@@ -171,9 +178,9 @@ def main(argv=None) -> None:
     # Read when CUDA is first used; a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # report and bench own their argument parsers.
-    if argv and argv[0] in ("report", "bench"):
-        return {"report": cmd_report, "bench": cmd_bench}[argv[0]](argv[1:])
+    # report, bench and from-easyr1 own their argument parsers.
+    if argv and argv[0] in ("report", "bench", "from-easyr1"):
+        return {"report": cmd_report, "bench": cmd_bench, "from-easyr1": cmd_from_easyr1}[argv[0]](argv[1:])
     parser = argparse.ArgumentParser(prog="vlgrpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("resolve", help="validate configs and write results/<exp>/config.resolved.yaml")
@@ -201,6 +208,7 @@ def main(argv=None) -> None:
     p.set_defaults(func=cmd_unlock_stale)
     sub.add_parser("report", help="the analysis report (see vlgrpo report --help)")
     sub.add_parser("bench", help="the GRPO step benchmark (see vlgrpo bench --help)")
+    sub.add_parser("from-easyr1", help="an EasyR1 config and a script's overrides -> a recipe (see vlgrpo from-easyr1 --help)")
     args = parser.parse_args(argv)
     try:
         args.func(args)

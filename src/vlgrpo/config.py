@@ -141,6 +141,10 @@ def validate(cfg: dict) -> dict:
         )
     for refuse in _UNSUPPORTED:
         refuse(cfg)
+    from vlgrpo.tracking import LOGGER_INSTALL, missing_loggers
+
+    if missing := missing_loggers(cfg["trainer"]["logger"]):
+        raise ConfigError(f"'trainer.logger' {missing}: not installed here; {LOGGER_INSTALL}, swanlab: pip install swanlab")
     return cfg
 
 

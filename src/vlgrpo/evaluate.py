@@ -82,7 +82,9 @@ def evaluate(cfg: dict, step: int, model=None, engine=None, in_process: bool = F
     engine = engine or make_engine(rollout["engine"], model, processor, rollout["cuda_graph"], cfg)
 
     n = val["n"]
-    params = SamplingParams(val["temperature"], val["top_p"], data["max_response_length"])
+    top_k = rollout["top_k"] if val["top_k"] is None else val["top_k"]  # EasyR1 overrides only the keys given
+    params = SamplingParams(val["temperature"], val["top_p"], data["max_response_length"], top_k=top_k,
+                            skip_special_tokens=cfg["worker"]["reward"]["skip_special_tokens"])
     batch = data["val_batch_size"] if data["val_batch_size"] > 0 else len(rows) * n
     prompts, out, grading, timing = generate_and_grade(
         engine, processor, rows, n, (cfg["seed"], VAL_STREAM), params, batch, reward_fn, device, progress=True
@@ -95,15 +97,13 @@ def evaluate(cfg: dict, step: int, model=None, engine=None, in_process: bool = F
     def mean(key):
         return sum(s[key] for s in scores) / len(scores)
 
-    accuracy = torch.tensor([s["accuracy"] for s in scores]).view(len(rows), n)
     record = {
         "step": step,
-        "val/overall_reward": mean("overall"),
-        "val/format_reward": mean("format"),
-        "val/accuracy_reward": mean("accuracy"),
+        **{f"val/{k}_reward": mean(k) for k in scores[0]},  # every key the reward returns, as EasyR1
         "val/reward_score": mean("overall"),
-        f"val/pass@{n}": (accuracy >= 1.0).any(dim=1).float().mean().item(),
         "val/reward_errors": errors,
+        **({f"val/pass@{n}": torch.tensor([s["accuracy"] for s in scores]).view(len(rows), n).ge(1.0).any(dim=1).float().mean().item()}
+           if "accuracy" in scores[0] else {}),
         **metrics.length_metrics("val_response_length", out.lengths, data["max_response_length"]),
         **metrics.length_metrics("val_prompt_length", prompts.attention_mask.sum(-1), data["max_prompt_length"]),
         "val/tokens_per_s": float(out.lengths.sum()) / timing["generation"],

@@ -13,15 +13,22 @@ worker.actor.optim.strategy, with EasyR1's names and semantics:
               One difference from EasyR1: the decoupled weight decay (w -= lr * wd * w) goes through the
               compensated sum too; EasyR1 multiplies the bf16 weights by (1 - lr * wd), which rounds to
               no change at lr 1e-6.
+Both strategies compute the bias corrections 1 - beta1^t and sqrt(1 - beta2^t), and the step size
+lr / (1 - beta1^t), in float64 (Python floats from the step count); AnyPrecisionAdamW computes them
+from its float32 step tensor, in float32. A difference of rounding only (relative 1e-7 at most), but
+not bit for bit.
 Both step with torch._foreach_* kernels, per (device, dtype) and in chunks of at most CHUNK_NUMEL
 elements, so temporaries stay small. Every piece of state is a per-parameter tensor in
 optimizer.state[p], so optimizer.state_dict() (torch.save or torch.distributed.checkpoint) carries it,
 and load_state_dict restores each tensor in the dtype it was saved in.
 
-The schedule is EasyR1's constant schedule with linear warm-up (verl/utils/torch_functional.py
-get_constant_schedule_with_warmup): training step k (1-based) updates with lr * min(1, (k - 1) / W)
-while k - 1 < W, else lr; W = lr_warmup_steps, or int(lr_warmup_ratio * total steps). EasyR1 steps its
-scheduler once per training step, after the update, so the first update's factor counts from 0.
+The schedule is EasyR1's (verl/utils/torch_functional.py), lr_scheduler_type:
+  constant  training step k (1-based) updates with lr * min(1, (k - 1) / W) while k - 1 < W, else lr;
+  cosine    the same warm-up, then lr * max(m, m + (1 - m) * (1 + cos(pi * p)) / 2) with
+            p = (k - 1 - W) / max(1, T - W) and m = min_lr_ratio (null: 0).
+W = lr_warmup_steps, or int(lr_warmup_ratio * T); T = the run's total steps (plan.total_steps:
+trainer.max_steps where set, as EasyR1 counts them). EasyR1 steps its scheduler once per training
+step, after the update, so the first update's factor counts from 0.
 """
 
 from __future__ import annotations
@@ -184,8 +191,16 @@ def warmup_steps(cfg: dict, total_steps: int) -> int:
 
 def lr_at(cfg: dict, step: int, total_steps: int) -> float:
     """The learning rate of training step `step` (1-based): EasyR1's factor min(1, (step - 1) / W)
-    during the warm-up of W steps, then 1."""
+    during the warm-up of W steps, then 1 (constant) or the half-cosine down to min_lr_ratio (cosine)."""
+    optim = cfg["worker"]["actor"]["optim"]
     warmup = warmup_steps(cfg, total_steps)
     done = step - 1  # scheduler steps taken before this update
-    factor = min(1.0, done / max(1, warmup)) if done < warmup else 1.0
-    return cfg["worker"]["actor"]["optim"]["lr"] * factor
+    if done < warmup:
+        factor = min(1.0, done / max(1, warmup))
+    elif optim["lr_scheduler_type"] == "cosine":
+        floor = optim["min_lr_ratio"] or 0.0
+        progress = (done - warmup) / max(1, total_steps - warmup)
+        factor = max(floor, floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+    else:
+        factor = 1.0
+    return optim["lr"] * factor

@@ -21,6 +21,12 @@ HEARTBEAT = "{exp}/segments/heartbeat"
 CHECKPOINTS = "{exp}/checkpoints"
 METRICS = "{exp}/metrics.jsonl"
 WANDB_RUN_ID = "{exp}/wandb_run_id"
+TENSORBOARD = "{exp}/tensorboard"
+MLFLOW_DB = "{exp}/mlflow.db"  # trainer.logger mlflow: a local SQLite store (MLflow's file store is deprecated)
+MLFLOW_ARTIFACTS = "{exp}/mlflow_artifacts"
+MLFLOW_RUN_ID = "{exp}/mlflow_run_id"
+SWANLAB = "{exp}/swanlab"
+SWANLAB_RUN_ID = "{exp}/swanlab_run_id"
 REPORT = "{exp}/report"
 
 

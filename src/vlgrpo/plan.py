@@ -9,7 +9,9 @@ from __future__ import annotations
 
 
 def total_steps(cfg: dict, steps_per_epoch: int) -> int:
-    """total_epochs * steps_per_epoch, capped by max_steps (EasyR1's rule)."""
+    """The run's total steps as EasyR1 counts them: max_steps where set (total_epochs is then ignored;
+    epochs repeat as needed), else total_epochs * steps_per_epoch. The warm-up ratio and the cosine
+    schedule take their length from it."""
     if steps_per_epoch < 1:
         raise ValueError(
             f"the filtered training set is smaller than one rollout batch "
@@ -17,7 +19,7 @@ def total_steps(cfg: dict, steps_per_epoch: int) -> int:
         )
     trainer = cfg["trainer"]
     total = trainer["total_epochs"] * steps_per_epoch
-    return min(total, trainer["max_steps"]) if trainer["max_steps"] else total
+    return trainer["max_steps"] or total
 
 
 def segment_ends(cfg: dict, total: int) -> list[int]:

@@ -1,8 +1,9 @@
 """Reward functions: the one grader used by baseline evaluation, the training reward and validation.
 
 A reward function scores each response against its ground truth with a dict of floats holding at
-least `overall` (the scalar the advantage is computed from), `format` and `accuracy`. The built-in
-ones follow EasyR1's examples/reward_function/{r1v,math}.py exactly, so scores are comparable with
+least `overall` (the scalar the advantage is computed from); every other key (the built-ins' `format`
+and `accuracy`, EasyR1's dapo.py's `overlong`) is logged as reward/<key> and val/<key>_reward, as
+EasyR1 logs them. The built-in ones follow EasyR1's examples/reward_function/{r1v,math}.py exactly, so scores are comparable with
 its runs; accuracy is mathruler's `grade_answer` in both.
 
 A user's file may take any of the FORMS below: vlgrpo's own, or either of EasyR1's (its reward
@@ -12,8 +13,10 @@ responses built from real answers before it starts (RewardFunction.check), so a 
 the contract stops the run at once; during a run, a step whose responses fail beyond
 worker.reward.max_error_fraction stops with the first error's traceback.
 
-Config (worker.reward): `reward_function` is "r1v", "math" or "path/to/file.py:function";
-`format_weight` null means the reward's own default; `reward_type`; `max_error_fraction`.
+Config (worker.reward): `reward_function` is "r1v", "math" or "path/to/file.py:function" (a file alone
+means its function `main`, as in EasyR1); `reward_function_kwargs`, keywords bound to the function as
+EasyR1 binds them; `format_weight` null means the reward's own default; `reward_type`;
+`max_error_fraction`. (`skip_special_tokens` is applied where responses are decoded: rollout.hf.)
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from mathruler.grader import extract_boxed_content, grade_answer
 
 from vlgrpo.errors import VlgrpoError
 
-REWARD_KEYS = ("overall", "format", "accuracy")
+REWARD_KEYS = ("overall",)  # required of a result; more keys are kept and logged
 FORMS = {
     "vlgrpo": "fn(response: str, ground_truth: str[, format_weight=...]) -> dict",
     "sequential": 'compute_score(reward_input: dict[, format_weight=...]) -> dict  (EasyR1, REWARD_TYPE = "sequential")',
@@ -196,8 +199,8 @@ class RewardFunction:
 
 
 def _load_user_function(spec: str):
-    """(function, module) named by "path/to/file.py:function"."""
-    path_text, _, name = spec.rpartition(":")
+    """(function, module) named by "path/to/file.py:function", or "path/to/file.py" for its `main` (EasyR1's rule)."""
+    path_text, _, name = spec.rpartition(":") if not spec.endswith(".py") else (spec, ":", "main")
     path = Path(path_text)
     if not path_text or not name or path.suffix != ".py":
         raise ValueError(
@@ -238,19 +241,38 @@ def _form_from_signature(spec: str, fn: Callable) -> str:
     )
 
 
+def _bind_kwargs(spec: str, fn: Callable, kwargs: Mapping) -> Callable:
+    """fn with worker.reward.reward_function_kwargs bound (EasyR1: functools.partial(fn, **kwargs)); a keyword
+    the function does not take stops here, naming it and the ones it takes."""
+    if not kwargs:
+        return fn
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    unknown = [k for k in kwargs if k not in params and not takes_any]
+    if unknown:
+        raise RewardContractError(
+            f"worker.reward.reward_function_kwargs has {unknown}, which reward function {spec} does not take; "
+            f"its parameters: {', '.join(params)}"
+        )
+    return functools.partial(fn, **kwargs)
+
+
 def load_reward_function(
-    spec: str, format_weight: float | None = None, reward_type: str | None = None, max_error_fraction: float = 1.0
+    spec: str, format_weight: float | None = None, reward_type: str | None = None, max_error_fraction: float = 1.0,
+    kwargs: Mapping | None = None,
 ) -> RewardFunction:
     """Resolve config `worker.reward` into a RewardFunction.
 
     spec: "r1v", "math", or "path/to/file.py:function" in any of the FORMS. format_weight: None keeps
     the function's own default; a number is passed as `format_weight` (the function must then accept
     that keyword). reward_type: a key of FORMS, or None to read the file's REWARD_TYPE, else the signature.
+    kwargs: worker.reward.reward_function_kwargs, bound to the function before its form is read.
     """
     if spec in BUILTIN_REWARDS:
         fn, module = BUILTIN_REWARDS[spec], None
     else:
         fn, module = _load_user_function(spec)
+    fn = _bind_kwargs(spec, fn, kwargs or {})
     declared = getattr(module, "REWARD_TYPE", None)
     if declared is not None and declared not in FORMS:
         raise RewardContractError(f"{spec}: REWARD_TYPE is {declared!r}; allowed: {', '.join(map(repr, FORMS))}")
@@ -278,7 +300,8 @@ def load_reward_function(
 def reward_from_config(cfg: dict, check_answers: list[str] | None = None) -> RewardFunction:
     """The configured reward function (cfg: the whole config), checked on these answers if given."""
     reward = cfg["worker"]["reward"]
-    fn = load_reward_function(reward["reward_function"], reward["format_weight"], reward["reward_type"], reward["max_error_fraction"])
+    fn = load_reward_function(reward["reward_function"], reward["format_weight"], reward["reward_type"], reward["max_error_fraction"],
+                              reward["reward_function_kwargs"])
     if check_answers:
         fn.check(check_answers)
     return fn

@@ -13,6 +13,16 @@ keys (disjoint from the training keys) stay. The JSONL file is the report's sour
 W&B: every job of an experiment (each training segment, each validation) resumes the same run, whose
 id is made once in results/<exp>/wandb_run_id; every metric is plotted against `global_step`, the
 training step, so validation curves share the training axis whatever order jobs log in.
+
+trainer.logger takes EasyR1's names (LOGGERS). `file` is metrics.jsonl, written whatever the list says;
+`console` prints each record; `tensorboard` writes event files to results/<exp>/tensorboard (one file
+per job, every scalar at its training step); `mlflow` logs to one run per experiment (named after it,
+in the MLflow experiment trainer.project_name) in a local SQLite store, results/<exp>/mlflow.db
+(`mlflow ui --backend-store-uri sqlite:///results/<exp>/mlflow.db`), whose run id is kept in
+results/<exp>/mlflow_run_id; MLflow allows no `@` in a name, so val/pass@4 is logged as val/pass_4.
+`swanlab` (refused unless the swanlab package is installed) resumes one offline run per experiment in
+results/<exp>/swanlab. A step a resumed segment logs again appears twice in TensorBoard and MLflow (their histories append);
+metrics.jsonl and the report keep the later value.
 """
 
 from __future__ import annotations
@@ -20,6 +30,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
+import re
+import string
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -146,33 +160,146 @@ def read_metrics(path: str | os.PathLike) -> list[Record]:
     return [merged[s] for s in sorted(merged)]
 
 
-def wandb_run_id(exp_dir: str | os.PathLike) -> str:
-    """The experiment's W&B run id, made by the first job that asks and read by every later one.
+# trainer.logger names (EasyR1's) -> the module each needs; "file" and "console" need none.
+LOGGERS = {"console": None, "file": None, "wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow", "swanlab": "swanlab"}
+LOGGER_INSTALL = "pip install -e '.[loggers]' (tensorboard, mlflow)"
 
-    Made atomically: written aside, then hard-linked to its name, which fails if another job got
-    there first; that job's id is the one returned."""
-    path = paths.path(paths.WANDB_RUN_ID, exp_dir)
+
+def missing_loggers(names: Iterable[str]) -> list[str]:
+    """The trainer.logger names whose package is not installed here."""
+    import importlib.util
+
+    return [n for n in names if LOGGERS.get(n) and importlib.util.find_spec(LOGGERS[n]) is None]
+
+
+def _run_id_file(path: Path, make_id, discard=lambda _id: None) -> str:
+    """The id kept in `path`, made by make_id() by the first job that asks and read by every later one.
+
+    Made atomically: written aside, then hard-linked to its name, which fails if another job got there
+    first; that job's id is returned and ours is discarded (discard(id))."""
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(uuid.uuid4().hex[:12] + "\n")
+        made = make_id()
+        tmp.write_text(made + "\n")
         try:
             os.link(tmp, path)
         except FileExistsError:
-            pass
+            discard(made)
         finally:
             tmp.unlink()
     return path.read_text().strip()
 
 
+def wandb_run_id(exp_dir: str | os.PathLike) -> str:
+    """The experiment's W&B run id, made by the first job that asks and read by every later one
+    (atomically: _run_id_file)."""
+    return _run_id_file(paths.path(paths.WANDB_RUN_ID, exp_dir), lambda: uuid.uuid4().hex[:12])
+
+
+def _scalars(record: Mapping) -> dict[str, float]:
+    """The record's metrics ("group/name" keys with numbers)."""
+    return {k: float(v) for k, v in record.items() if "/" in k and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class _Console:
+    """trainer.logger console: each record printed, one line per step."""
+
+    def log(self, step: int, scalars: dict, kind: str) -> None:
+        print(f"step {step} ({kind}): " + " ".join(f"{k}={v:.6g}" for k, v in sorted(scalars.items())), flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class _TensorBoard:
+    """trainer.logger tensorboard: torch.utils.tensorboard's SummaryWriter on results/<exp>/tensorboard."""
+
+    def __init__(self, cfg: dict, exp_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(paths.path(paths.TENSORBOARD, exp_dir)))
+
+    def log(self, step: int, scalars: dict, kind: str) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+_MLFLOW_BAD = re.compile(r"[^A-Za-z0-9_\-. :/]")
+
+
+class _MLflow:
+    """trainer.logger mlflow: one run per experiment in the local SQLite store results/<exp>/mlflow.db."""
+
+    def __init__(self, cfg: dict, exp_dir: Path):
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=f"sqlite:///{paths.path(paths.MLFLOW_DB, exp_dir).resolve()}")
+        project = cfg["trainer"]["project_name"]
+        found = self.client.get_experiment_by_name(project)
+        experiment_id = found.experiment_id if found is not None else self.client.create_experiment(
+            project, artifact_location=paths.path(paths.MLFLOW_ARTIFACTS, exp_dir).resolve().as_uri())
+
+        def make() -> str:
+            run = self.client.create_run(experiment_id, run_name=cfg["experiment"])
+            params = flatten(cfg, "")
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
+                self.client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in list(params.items())[i : i + 100]])
+            return run.info.run_id
+
+        from mlflow.entities import Param
+
+        self.run_id = _run_id_file(paths.path(paths.MLFLOW_RUN_ID, exp_dir), make, self.client.delete_run)
+
+    def log(self, step: int, scalars: dict, kind: str) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(_MLFLOW_BAD.sub("_", k), v, now, step) for k, v in scalars.items()]
+        for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics a batch
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+
+    def close(self) -> None:
+        pass
+
+
+class _SwanLab:
+    """trainer.logger swanlab (only where the swanlab package is installed): the experiment's one run, resumed
+    by every job (its id in results/<exp>/swanlab_run_id), in results/<exp>/swanlab; mode from SWANLAB_MODE
+    as in EasyR1, offline unless set (`swanlab sync` uploads it later)."""
+
+    def __init__(self, cfg: dict, exp_dir: Path):
+        import swanlab
+
+        self.swanlab = swanlab
+        run_id = _run_id_file(paths.path(paths.SWANLAB_RUN_ID, exp_dir),
+                              lambda: "".join(random.choices(string.ascii_lowercase + string.digits, k=21)))
+        swanlab.init(project=cfg["trainer"]["project_name"], name=cfg["experiment"], id=run_id, resume="allow",
+                     log_dir=str(paths.path(paths.SWANLAB, exp_dir)), mode=os.environ.get("SWANLAB_MODE", "offline"), config=cfg)
+
+    def log(self, step: int, scalars: dict, kind: str) -> None:
+        self.swanlab.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.swanlab.finish()
+
+
 class Tracker:
-    """Writes records to metrics.jsonl and, when configured, to the experiment's one W&B run."""
+    """Writes records to metrics.jsonl and to each other logger trainer.logger names: the experiment's one
+    W&B run, console, TensorBoard, MLflow."""
 
     def __init__(self, cfg: dict, exp_dir: Path):
         self.path = paths.path(paths.METRICS, exp_dir)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run_id, self.wandb = None, None
         trainer = cfg["trainer"]
+        missing = missing_loggers(trainer["logger"])
+        if missing:
+            raise VlgrpoError(f"trainer.logger {missing} needs its package, not installed here: {LOGGER_INSTALL}")
         if "wandb" in trainer["logger"] and trainer["wandb_mode"] != "disabled":
             import wandb
 
@@ -189,12 +316,17 @@ class Tracker:
             # Our own x-axis: jobs resume the run in any order and may re-log steps W&B has seen.
             self.wandb.define_metric("global_step")
             self.wandb.define_metric("*", step_metric="global_step")
+        makers = {"console": lambda: _Console(), "tensorboard": lambda: _TensorBoard(cfg, exp_dir), "mlflow": lambda: _MLflow(cfg, exp_dir),
+                  "swanlab": lambda: _SwanLab(cfg, exp_dir)}
+        self.sinks = [makers[name]() for name in trainer["logger"] if name in makers]
 
     def log(self, record: dict, kind: str = "train") -> None:
         """Append to metrics.jsonl (always: it is the report's source) and to W&B if enabled."""
         append_record(self.path, record, kind)
         if self.wandb is not None:
             self.wandb.log({"global_step": record["step"], **{k: v for k, v in record.items() if "/" in k}})
+        for sink in self.sinks:
+            sink.log(record["step"], _scalars(record), kind)
 
     def add_timings(self, step: int, timings: dict[str, float]) -> None:
         """Add timing_s/<name> values to step `step`'s training record (read_metrics merges them in):
@@ -204,3 +336,5 @@ class Tracker:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+        for sink in self.sinks:
+            sink.close()

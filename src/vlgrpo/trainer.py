@@ -358,7 +358,8 @@ class GRPOTrainer:
             torch.cuda.reset_accumulated_memory_stats()
         step_start = time.perf_counter()
         params = SamplingParams(
-            rollout_cfg["temperature"], rollout_cfg["top_p"], cfg["data"]["max_response_length"], rollout_cfg["ignore_eos"]
+            rollout_cfg["temperature"], rollout_cfg["top_p"], cfg["data"]["max_response_length"], rollout_cfg["ignore_eos"],
+            rollout_cfg["top_k"], cfg["worker"]["reward"]["skip_special_tokens"],
         )
         # Grading runs on other CPU cores while old and ref run; `reward` is the time the step waits for it.
         if distributed.is_sharded(self.policy) and rollout_cfg["engine"] == "static":
@@ -410,7 +411,7 @@ class GRPOTrainer:
         per_rank = [[i for part in self.parts for i in part[r]] for r in range(world)]  # the rows each rank updated
         record = {
             "step": step,
-            **{f"reward/{k}": sum(s[k] for s in scores) / len(scores) for k in ("overall", "format", "accuracy")},
+            **{f"reward/{k}": sum(s[k] for s in scores) / len(scores) for k in scores[0]},  # every key the reward returns, as EasyR1
             "reward/errors": reward_errors,
             **batch_info,
             **update,

@@ -33,7 +33,7 @@ def config_key(*dotted):
     return config_lib.config_hash(config_lib.expand_dotted({k: _pick(k) for k in dotted}))
 
 
-EVAL_KEYS = ("seed", "model", "data", "worker.rollout.engine", "worker.rollout.val_override_config",
+EVAL_KEYS = ("seed", "model", "data", "worker.rollout.engine", "worker.rollout.val_override_config", "worker.rollout.top_k",
              "worker.reward", "trainer.device", "trainer.val_generations_to_log")
 
 

@@ -20,6 +20,8 @@ class SamplingParams:
     top_p: float
     max_tokens: int
     ignore_eos: bool = False  # benchmarks: every response exactly max_tokens long
+    top_k: int = -1  # -1 or 0: the whole vocabulary
+    skip_special_tokens: bool = True  # how texts are decoded (worker.reward.skip_special_tokens)
 
 
 @dataclass
@@ -27,7 +29,7 @@ class Rollout:
     responses: torch.Tensor  # (N, R) token ids, pad after the end
     response_mask: torch.Tensor  # (N, R) 1 up to and including EOS
     logp: torch.Tensor  # (N, R) log-prob of each sampled token under softmax(logits / T)
-    texts: list[str]  # decoded responses, special tokens skipped
+    texts: list[str]  # decoded responses (special tokens skipped unless SamplingParams says otherwise)
     truncated: torch.Tensor  # (N,) bool: hit max_tokens without EOS
 
     @property

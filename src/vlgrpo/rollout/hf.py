@@ -27,7 +27,7 @@ class _KeyedSampler(LogitsProcessor):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         position = input_ids.shape[1] - self.prompt_len
         tokens, logp = keyed_sample(
-            scores, self.keys, position, self.params.temperature, self.params.top_p, self.banned
+            scores, self.keys, position, self.params.temperature, self.params.top_p, self.banned, self.params.top_k
         )
         self.logps.append(logp)
         self.progress.update(1)
@@ -54,9 +54,9 @@ def banned_tokens(tokenizer, vocab: int) -> torch.Tensor:
     return banned
 
 
-def finish_rollout(responses, logp, eos: list[int], pad_id: int, tokenizer, ignore_eos: bool) -> Rollout:
+def finish_rollout(responses, logp, eos: list[int], pad_id: int, tokenizer, ignore_eos: bool, skip_special_tokens: bool = True) -> Rollout:
     """A Rollout from (N, R) sampled ids and their log-probs: mask up to and including the first EOS,
-    pad after it, truncation flags, texts decoded with special tokens skipped."""
+    pad after it, truncation flags, texts decoded (special tokens skipped unless skip_special_tokens is false)."""
     is_eos = torch.isin(responses, torch.tensor(eos, device=responses.device))
     if ignore_eos:
         is_eos = torch.zeros_like(is_eos)
@@ -64,7 +64,7 @@ def finish_rollout(responses, logp, eos: list[int], pad_id: int, tokenizer, igno
     mask = (~after_eos).long()
     responses = responses.masked_fill(after_eos, pad_id)
     truncated = ~is_eos.any(-1)
-    texts = tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(responses, mask)], skip_special_tokens=True)
+    texts = tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(responses, mask)], skip_special_tokens=skip_special_tokens)
     return Rollout(responses.cpu(), mask.cpu(), (logp * mask).cpu(), texts, truncated.cpu())
 
 
@@ -88,7 +88,7 @@ class HFEngine:
             chunks.append(self._generate(sub, keys[rows].to(device), params, progress))
         responses = torch.cat([c[0] for c in chunks])
         logp = torch.cat([c[1] for c in chunks])
-        return finish_rollout(responses, logp, self.eos_ids, self.pad_id, self.tokenizer, params.ignore_eos)
+        return finish_rollout(responses, logp, self.eos_ids, self.pad_id, self.tokenizer, params.ignore_eos, params.skip_special_tokens)
 
     def _generate(self, sub: PromptBatch, keys, params: SamplingParams, progress):
         prompt_len = sub.input_ids.shape[1]

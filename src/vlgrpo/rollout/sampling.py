@@ -8,9 +8,14 @@ ran before in the process: a resumed run reproduces the uninterrupted one token 
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from vlgrpo.rollout import fused_sampling
+
+log = logging.getLogger(__name__)
 
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31 keep every product of a 32-bit value below 2**63 (no int64 overflow).
@@ -90,11 +95,24 @@ def nucleus_edge(logits: torch.Tensor, top_p: float, temperature: float = 1.0) -
     return sorted_logits.gather(-1, kept - 1)
 
 
+def top_k_mask(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Set logits below the k-th largest of their row to -inf (ties with it all stay). top_k <= 0 or
+    >= V keeps every token. logits: (N, V) -> (N, V)"""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    return logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+
+
 def top_p_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Set logits outside the nucleus of mass top_p (nucleus_edge) to -inf. logits: (N, V) -> (N, V)"""
     if top_p >= 1.0:
         return logits
     return logits.masked_fill(logits < nucleus_edge(logits, top_p), float("-inf"))
+
+
+@functools.cache
+def _log_top_k_once() -> None:
+    log.info("top_k sampling: the fused sampling kernel has no top-k; sampling runs in PyTorch operations")
 
 
 def keyed_sample(
@@ -104,15 +122,22 @@ def keyed_sample(
     temperature: float,
     top_p: float,
     banned: torch.Tensor | None = None,
+    top_k: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (tokens (N,), log-prob of each token under softmax(logits/T)).
 
     logits: (N, V) raw logits; keys: (N,) int64; banned: (V,) bool, tokens never sampled (vision
-    placeholders, ids past the tokenizer). temperature 0 means greedy decoding.
-    The returned log-prob is that of the full tempered distribution (no top-p, no ban), which is
+    placeholders, ids past the tokenizer). temperature 0 means greedy decoding. top_k > 0 keeps the
+    k most likely tokens, then top_p applies to their renormalised distribution (vLLM's order).
+    The returned log-prob is that of the full tempered distribution (no top-k/p, no ban), which is
     what the training forward recomputes (EasyR1/verl divide logits by T and nothing else).
-    On a GPU with Triton it runs as one kernel (fused_sampling), elsewhere as keyed_sample_torch.
+    On a GPU with Triton it runs as one kernel (fused_sampling), elsewhere as keyed_sample_torch;
+    the kernel has no top-k, so a top_k below the vocabulary runs keyed_sample_torch (logged once).
     """
+    if 0 < top_k < logits.shape[-1] and temperature != 0:
+        if fused_sampling.available(logits):
+            _log_top_k_once()
+        return keyed_sample_torch(logits, keys, position, temperature, top_p, banned, top_k)
     if fused_sampling.available(logits) and logits.stride(-1) == 1:
         hashes = row_hash(keys.to(logits.device), position)
         return fused_sampling.keyed_sample_fused(logits, hashes, temperature, top_p, banned)
@@ -126,6 +151,7 @@ def keyed_sample_torch(
     temperature: float,
     top_p: float,
     banned: torch.Tensor | None = None,
+    top_k: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """keyed_sample in PyTorch operations (any device): the definition the fused kernel follows."""
     scaled = logits.float() if temperature == 0 else logits.float() / temperature
@@ -134,8 +160,13 @@ def keyed_sample_torch(
     if temperature == 0:
         tokens = allowed.argmax(dim=-1)
     else:
-        if top_p < 1.0:  # the nucleus found on the logits as they come (bf16 from the model): same order, fewer bytes
+        top_k_on = 0 < top_k < logits.shape[-1]
+        if top_k_on or top_p < 1.0:  # both found on the logits as they come (bf16 from the model): same order, fewer bytes
             raw = logits if banned is None else logits.masked_fill(banned, float("-inf"))
+        if top_k_on:
+            raw = top_k_mask(raw, top_k)
+            allowed = allowed.masked_fill(raw == float("-inf"), float("-inf"))
+        if top_p < 1.0:  # the nucleus of the (top-k) distribution
             allowed = allowed.masked_fill(raw < nucleus_edge(raw, top_p, temperature), float("-inf"))
         gumbel = -torch.log(-torch.log(uniform_noise(keys, position, logits.shape[-1])))
         tokens = (allowed + gumbel).argmax(dim=-1)

@@ -102,7 +102,7 @@ class _Decoder:
             x = x + layer.mlp(fused_rms_norm(layer.post_attention_layernorm, x))
         logits = self.head(fused_rms_norm(self.norm, x))
         p = self.params
-        tokens, logp = keyed_sample(logits, self.keys, t + 1, p.temperature, p.top_p, self.banned)
+        tokens, logp = keyed_sample(logits, self.keys, t + 1, p.temperature, p.top_p, self.banned, p.top_k)
         self.tokens.copy_(tokens)
         self.out_tokens.index_copy_(1, t + 1, tokens[:, None])
         self.out_logp.index_copy_(1, t + 1, logp[:, None])
@@ -198,7 +198,7 @@ class StaticEngine(HFEngine):
         dec = self._decoder_for(rows, cache_width, params)
         dec.mask.zero_()
         logits = self._prefill(sub, dec)
-        tokens, logp = keyed_sample(logits, keys, 0, params.temperature, params.top_p, dec.banned)
+        tokens, logp = keyed_sample(logits, keys, 0, params.temperature, params.top_p, dec.banned, params.top_k)
         dec.keys.copy_(keys)
         dec.tokens.copy_(tokens)
         dec.prompt_width.fill_(width)

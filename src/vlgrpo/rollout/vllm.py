@@ -192,6 +192,7 @@ class VLLMEngine:
                 n=1,
                 temperature=params.temperature,
                 top_p=params.top_p if params.temperature > 0 else 1.0,
+                top_k=params.top_k if params.temperature > 0 and params.top_k > 0 else -1,
                 seed=int(key),
                 max_tokens=params.max_tokens,
                 min_tokens=params.max_tokens if params.ignore_eos else 0,
@@ -221,5 +222,5 @@ class VLLMEngine:
             logp[i, : len(sample.token_ids)] = torch.tensor(
                 [entry[t].logprob for entry, t in zip(sample.logprobs, sample.token_ids)]
             )
-        return finish_rollout(responses, logp, self.eos_ids, self.pad_id, self.tokenizer, params.ignore_eos)
+        return finish_rollout(responses, logp, self.eos_ids, self.pad_id, self.tokenizer, params.ignore_eos, params.skip_special_tokens)
 

@@ -41,11 +41,15 @@ def logged_items(seed: int, n_rows: int, count: int) -> list[int]:
     return sorted(torch.randperm(n_rows, generator=generator)[:count].tolist())
 
 
+def checkpoint_model_dir(cfg: dict, step: int) -> Path:
+    return CheckpointStore(paths.path(paths.CHECKPOINTS, config_lib.experiment_dir(cfg))).model_dir(step)
+
+
 def model_path_for(cfg: dict, step: int) -> str:
     """The base model for step 0, else the model folder of checkpoint `step`."""
     if step == 0:
         return cfg["model"]["path"]
-    folder = CheckpointStore(paths.path(paths.CHECKPOINTS, config_lib.experiment_dir(cfg))).model_dir(step)
+    folder = checkpoint_model_dir(cfg, step)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
             f"no model weights for step {step} at {folder}: the checkpoint was never written or its "
@@ -152,9 +156,8 @@ def main(config_path: str | Path, step: int) -> dict:
     step's weights are gone, put its kept result back; else validate. The result is kept (val_results)."""
     cfg = config_lib.read_resolved(config_path)
     record = val_results.adopt(cfg, step)
-    if record is None and step and not (CheckpointStore(paths.path(paths.CHECKPOINTS, config_lib.experiment_dir(cfg)))
-                                        .model_dir(step) / "config.json").is_file():
-        record = val_results.put_back(cfg, step)
+    if record is None and step and not (checkpoint_model_dir(cfg, step) / "config.json").is_file():
+        record = val_results.put_back(cfg, step)  # its weights are gone: it cannot be validated again
     if record is None:
         record = evaluate(cfg, step)
     val_results.keep(cfg, step)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ import psutil
 import yaml
 
 from vlgrpo import config as config_lib
-from vlgrpo import paths
+from vlgrpo import locks, paths
 from vlgrpo.errors import VlgrpoError
 
 
@@ -118,7 +119,8 @@ def cmd_train(args) -> None:
         trainer_command(cfg, ["--config", str(args.config), "--end-step", str(args.end_step),
                               "--marker", str(marker), "--heartbeat", str(heartbeat)]),
         start_new_session=True,
-        env={**os.environ, "VLGRPO_JOB_START": str(started)},
+        preexec_fn=functools.partial(locks.die_with_parent, os.getpid()),  # no trainer outlives this watchdog
+        env={**os.environ, "VLGRPO_JOB_START": str(started), **locks.watchdog_env()},
     )
     forward = lambda signum, _frame: os.killpg(child.pid, signum)  # noqa: E731 Snakemake's or scancel's SIGTERM
     signal.signal(signal.SIGTERM, forward)
@@ -143,8 +145,6 @@ def cmd_train(args) -> None:
 
 
 def cmd_unlock_stale(args) -> None:
-    from vlgrpo import locks
-
     print(locks.release_stale(Path(args.directory) / ".snakemake"))
 
 

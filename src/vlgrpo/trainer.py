@@ -46,7 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vlgrpo import config as config_lib
-from vlgrpo import atomic, distributed, evaluate, grpo, metrics, paths, plan, val_results
+from vlgrpo import atomic, distributed, evaluate, grpo, locks, metrics, paths, plan, val_results
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.checkpoint import CheckpointStore, PendingSave, apply_retention
 from vlgrpo.data.filtering import load_filtered
@@ -400,6 +400,14 @@ class GRPOTrainer:
 
 
 def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | None = None) -> dict:
+    """_run_segment while rank 0 holds the experiment's trainer lock: one trainer at a time
+    (vlgrpo.locks; a second one waits for the first to end, then fails naming it)."""
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    with locks.trainer_lock(config_lib.experiment_dir(cfg), end_step) if rank0 else contextlib.nullcontext():
+        return _run_segment(cfg, end_step, marker, heartbeat)
+
+
+def _run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | None = None) -> dict:
     """Train from the latest checkpoint to `end_step`, save a checkpoint there, validate it in-process
     if it is on the validation grid, write the marker last.
 
@@ -485,6 +493,7 @@ def main(argv=None) -> None:
     parser.add_argument("--heartbeat")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    locks.exit_with_watchdog()  # a trainer whose `vlgrpo train` was killed stops too
     cfg = config_lib.read_resolved(args.config)
     # Rank 0 beats for all: a rank that hangs stops rank 0 at its next collective, so the beat goes stale.
     rank0 = int(os.environ.get("RANK", "0")) == 0

@@ -111,9 +111,9 @@ def report_outputs():
 
 # Only when jobs are about to run (onstart: never for a dry run, a lint or a report). The resolved
 # config is what jobs read, rewritten only when it changes: the rerun decision rests on the `params`
-# hashes, so raising max_steps only adds segments. The lock's owner is recorded for
-# `vlgrpo unlock-stale` (vlgrpo/locks.py).
+# hashes, so raising max_steps only adds segments. The run gets an id that its jobs inherit, and the
+# lock's owner is recorded, for `vlgrpo unlock-stale` (vlgrpo/locks.py).
 onstart:
     if not Path(RESOLVED).is_file() or config_lib.read_resolved(RESOLVED) != CFG:
         config_lib.write_resolved(CFG, RESOLVED)
-    locks.record_owner()
+    locks.start_run(EXP)

@@ -73,7 +73,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device is 'cuda' but no CUDA device is visible")
+        raise ConfigError("trainer.device is 'cuda' but no CUDA device is visible here; use a GPU node, or set "
+                          "trainer.device: cpu (or auto: CUDA where there is a GPU)")
     return torch.device(name)
 
 

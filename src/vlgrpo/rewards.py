@@ -19,6 +19,7 @@ Config (worker.reward): `reward_function` is "r1v", "math" or "path/to/file.py:f
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import inspect
 import logging
@@ -275,10 +276,26 @@ def load_reward_function(
     return RewardFunction(fn, form, spec, chosen_by, max_error_fraction)
 
 
+def reward_file_digest(spec: str) -> str | None:
+    """SHA-256 of the file of a "path/to/file.py:function" reward (None for a built-in or a missing
+    file): recorded with the results made with it, so a later run can tell that the file changed."""
+    path = Path(spec.rpartition(":")[0])
+    if spec in BUILTIN_REWARDS or not path.is_file():
+        return None
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def reward_from_config(cfg: dict, check_answers: list[str] | None = None) -> RewardFunction:
     """The configured reward function (cfg: the whole config), checked on these answers if given."""
     reward = cfg["worker"]["reward"]
-    fn = load_reward_function(reward["reward_function"], reward["format_weight"], reward["reward_type"], reward["max_error_fraction"])
+    try:
+        fn = load_reward_function(reward["reward_function"], reward["format_weight"], reward["reward_type"], reward["max_error_fraction"])
+    except RewardContractError:
+        raise
+    except Exception as error:  # importing the user's file runs its code: whatever fails is in the file or the key
+        raise RewardContractError(
+            f"worker.reward.reward_function {reward['reward_function']!r}: {type(error).__name__}: {error}"
+        ) from error
     if check_answers:
         fn.check(check_answers)
     return fn

@@ -46,7 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vlgrpo import config as config_lib
-from vlgrpo import atomic, distributed, evaluate, grpo, locks, metrics, paths, plan, val_results
+from vlgrpo import atomic, distributed, evaluate, failures, grpo, locks, metrics, paths, plan, val_results
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.checkpoint import CheckpointStore, PendingSave, apply_retention
 from vlgrpo.data.filtering import load_filtered
@@ -54,7 +54,7 @@ from vlgrpo.data.sources import load_processor
 from vlgrpo.errors import VlgrpoError
 from vlgrpo.optim import build_optimizer, lr_at
 from vlgrpo.policy import ForwardOptions, load_pretrained, micro_batches, prepare_model, resolve_device, response_logprobs
-from vlgrpo.rewards import reward_from_config
+from vlgrpo.rewards import reward_file_digest, reward_from_config
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.graded import generate_and_grade
 from vlgrpo.rollout.sampling import sample_key
@@ -475,6 +475,7 @@ def _run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | 
         "start_step": start,
         "checkpoint": str(trainer.store.path(end_step)),
         "config_hash": training_hash(trainer.cfg),
+        "reward_sha256": reward_file_digest(cfg["worker"]["reward"]["reward_function"]),  # a later run tells a change
         "metrics": summary,
         "validated_in_process": validation is not None,
         "timing_s": times,
@@ -501,7 +502,10 @@ def main(argv=None) -> None:
     heartbeat.beat()  # imports are done
     if "VLGRPO_JOB_START" in os.environ:  # the first part of timing_s/startup
         log.info("imports done %.1f s after the job started", time.time() - float(os.environ["VLGRPO_JOB_START"]))
-    run_segment(cfg, args.end_step, Path(args.marker), heartbeat)
+    try:
+        run_segment(cfg, args.end_step, Path(args.marker), heartbeat)
+    except failures.USER_ERRORS as error:  # fails once, with one line (vlgrpo.failures)
+        failures.exit_on_user_error(config_lib.experiment_dir(cfg), f"train_{paths.step_str(args.end_step)}", "vlgrpo train", error)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

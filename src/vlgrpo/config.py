@@ -57,6 +57,12 @@ def _describe(error: jsonschema.ValidationError) -> str:
     if error.validator == "additionalProperties":
         allowed = sorted(schema.get("properties", {}))
         return f"{error.message} at '{key}'; allowed keys: {', '.join(allowed)}"
+    if error.validator == "required":  # one line naming the missing key, not the object's whole description
+        missing = [k for k in error.validator_value if isinstance(error.instance, dict) and k not in error.instance]
+        props = schema.get("properties", {})
+        named = [f"'{key}.{k}'" if error.absolute_path else f"'{k}'" for k in missing]
+        hints = [props.get(k, {}).get("description", "").split(";")[0].strip() for k in missing]
+        return f"missing required key {', '.join(named)}" + "".join(f" ({h})" for h in hints if h)
     if error.validator == "enum":
         return f"'{key}' is {error.instance!r}; allowed values: {', '.join(map(repr, schema['enum']))}"
     what = schema.get("description", "")

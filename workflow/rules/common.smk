@@ -133,7 +133,22 @@ onstart:
         sys.exit(lines[-1] if lines else _checked.stderr)
 
 
-# A job that failed on a user error was not retried; its one line is the last thing said.
+def input_warnings():
+    """The filter's warnings about the data (too many undecodable images), in its stats files."""
+    out = []
+    for split in ("train", "val"):
+        stats = paths.path(paths.STATS, EXP, split=split)
+        out += json.loads(stats.read_text()).get("warnings", []) if stats.is_file() else []
+    return out
+
+
+# The last words of a run: warnings about its data (also in the report), and the line of each job that
+# failed on a user error (not retried).
+onsuccess:
+    for line in input_warnings():
+        print(f"warning: {line}", file=sys.stderr)
+
+
 onerror:
-    for line in failures.summary(EXP):
+    for line in [f"warning: {w}" for w in input_warnings()] + failures.summary(EXP):
         print(line, file=sys.stderr)

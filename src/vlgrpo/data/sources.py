@@ -53,6 +53,20 @@ def _parse_source(spec: str) -> list[Path] | tuple[str, str]:
     return name, split
 
 
+def _check_rows(spec: str, files: list[Path]) -> None:
+    """DataError naming the file(s) when the parquet files hold no rows at all, or one is no parquet file."""
+    import pyarrow.parquet as pq
+
+    rows = {}
+    for file in files:
+        try:
+            rows[file] = pq.ParquetFile(file).metadata.num_rows
+        except Exception as e:  # pyarrow's error says what is wrong with the bytes
+            raise DataError(f"{file}: not a readable parquet file ({type(e).__name__}: {e})") from None
+    if not any(rows.values()):
+        raise DataError(f"{spec}: no rows in {', '.join(map(str, files))} (the parquet file(s) hold columns but no data)")
+
+
 def load_split(spec: str, image_key: str, prompt_key: str, answer_key: str) -> datasets.Dataset:
     """Load one split: 'owner/name@split' from the hub, or a local parquet file or folder of them.
 
@@ -62,6 +76,8 @@ def load_split(spec: str, image_key: str, prompt_key: str, answer_key: str) -> d
     import datasets  # here: training and evaluation load the processor from this module without it
 
     source = _parse_source(spec)
+    if isinstance(source, list):
+        _check_rows(spec, source)
     try:
         if isinstance(source, list):
             ds = datasets.load_dataset("parquet", data_files=[str(f) for f in source], split="train")

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from conftest import make_experiment
-from vlgrpo import config, failures, locks, paths, preflight
+from vlgrpo import config, locks, paths
 from vlgrpo.data import sources
 from vlgrpo.data.sources import DataError, load_split
 from vlgrpo.trainer import run_segment
@@ -68,6 +68,8 @@ def test_engine_and_device_are_checked(tmp_path, monkeypatch):
 
     import torch
 
+    from vlgrpo import preflight
+
     cfg = config.read_resolved(resolved(tmp_path, worker={"rollout": {"engine": "vllm"}}))
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
@@ -92,12 +94,15 @@ def test_the_workflow_stops_before_any_job(tmp_path):
         capture_output=True, text=True,
     )
     assert out.returncode == 1
-    assert out.stderr.strip().splitlines()[-1].startswith(f"vlgrpo check: reward function {broken}")
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"vlgrpo check: reward function {broken}") and "lacks keys ['overall', 'format', 'accuracy']" in last
     assert not (tmp_path / "demo").exists() and not (tmp_path / "results" / "pf" / "logs").exists()  # no job ran
     assert not (tmp_path / ".snakemake" / "locks").exists() or not any((tmp_path / ".snakemake" / "locks").iterdir())
 
 
 def test_a_user_error_of_a_trainer_fails_once_with_one_line(demo_base, tmp_path, monkeypatch):
+    from vlgrpo import failures
+
     spec = reward(tmp_path, "def other(response, ground_truth):\n    return {}\n")
     cfg = make_experiment(demo_base, tmp_path, {"worker": {"reward": {"reward_function": spec}}})
     exp = config.experiment_dir(cfg)
@@ -122,6 +127,8 @@ def test_a_user_error_of_a_trainer_fails_once_with_one_line(demo_base, tmp_path,
 
 
 def test_an_edited_reward_file_is_noticed(demo_base, tmp_path):
+    from vlgrpo import preflight
+
     spec = reward(tmp_path, "from vlgrpo.rewards import r1v as score\n")
     cfg = make_experiment(demo_base, tmp_path, {"worker": {"reward": {"reward_function": spec}},
                                                 "trainer": {"max_steps": 1, "save_freq": 1, "val_freq": 2}})

@@ -30,6 +30,10 @@ class ConfigError(VlgrpoError, ValueError):
     """A config that does not match the schema; the message names the key and what is allowed."""
 
 
+NO_CUDA = ("trainer.device is 'cuda' but no CUDA device is visible here; use a GPU node, or set "
+           "trainer.device: cpu (or auto: CUDA where there is a GPU)")
+
+
 def _with_defaults(validator_class):
     """Extend a jsonschema validator so that it fills in `default` values of missing properties."""
     validate_properties = validator_class.VALIDATORS["properties"]

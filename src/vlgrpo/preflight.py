@@ -59,8 +59,7 @@ def check(cfg: dict, device: bool = True, engine: bool = True) -> list[str]:
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError("trainer.device is 'cuda' but no CUDA device is visible here; use a GPU node, or set "
-                              "trainer.device: cpu (or auto: CUDA where there is a GPU)")
+            raise ConfigError(config_lib.NO_CUDA)
     model = cfg["model"]["path"]
     from vlgrpo.data.sources import _looks_local, check_hub_model
 

@@ -192,7 +192,8 @@ class RewardFunction:
             failed = sum(r is None for r in results)
             raise RewardContractError(
                 f"reward function {self.name}, called as the {self.form!r} form ({self.chosen_by}), failed on {failed} of "
-                f"{len(results)} responses built from real answers before the run:\n{error}\n{CONTRACT}"
+                f"{len(results)} responses built from real answers before the run ({error.strip().splitlines()[-1]}):"
+                f"\n{error}\n{CONTRACT}"
             )
 
 

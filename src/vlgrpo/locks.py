@@ -14,8 +14,10 @@ when it exits; SIGKILL or a lost node leaves the lock, and the next run refuses 
 that is still going on another node. So the workflow's onstart records the owner beside the lock
 (host, boot id, PID and the PID's start time), and `vlgrpo unlock-stale` removes the lock only when
 that owner ran on this host and is gone (a new boot id: the machine restarted; the same boot id: no
-process with that PID and start time). Anything else is refused with what to check and the command
-that unlocks regardless.
+process with that PID and start time), and no job of its run is alive: the onstart also gives the
+run an id that every job inherits (RUN_ENV), so a job left running by the killed Snakemake is found
+by it, and a trainer by the experiment's trainer lock. Anything else is refused with what to check
+and the command that unlocks regardless.
 
 Snakemake checks the lock after parsing the workflow and building the job graph, before any hook
 runs, so the workflow itself cannot release it without acting at parse time (which a dry run, a

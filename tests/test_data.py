@@ -596,3 +596,22 @@ def test_encode_prompts_refuses_a_processor_that_would_resize(filtered, narrow_m
         count_prompt_tokens(smaller, rows[0]["prompt"], rows[0]["images"])
     with pytest.raises(FileNotFoundError, match="run the filter_data stage"):
         load_filtered(tmp_path / "absent.parquet")
+
+
+@needs_shared
+def test_many_undecodable_images_warn_in_the_stats_and_the_report(tmp_path):
+    """Half the rows undecodable used to go by without a word (issue 28)."""
+    from vlgrpo.report.cli import main as report_main
+    from vlgrpo.tracking import append_record
+
+    broken = {**GOOD_ROW, "images": [{"bytes": b"\x89PNG but not really", "path": None}]}
+    source = write_rows(tmp_path / "half.parquet", [GOOD_ROW, broken] * 4)
+    exp = tmp_path / "exp"
+    (exp / "data").mkdir(parents=True)
+    stats = filter_split(seed_cfg(str(source)), "val", exp / "data" / "val.parquet", exp / "data" / "val.stats.json", workers=1)
+    (warning,) = stats["warnings"]
+    assert warning.startswith(f"{source} (val): 4 of 8 rows (50%) dropped as undecodable images (rows [1, 3, 5, 7]...")
+    append_record(exp / "metrics.jsonl", {"step": 1, "reward/overall": 0.5})
+    assert report_main(["--experiment-dir", str(exp), "--out", str(exp / "report")]) == 0
+    assert json.loads((exp / "report" / "summary.json").read_text())["warnings"] == [warning]
+    assert "dropped as undecodable images" in (exp / "report" / "report.html").read_text()

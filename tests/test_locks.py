@@ -1,13 +1,15 @@
-"""`vlgrpo unlock-stale` releases a lock only when its Snakemake ran on this host and is gone."""
+"""`vlgrpo unlock-stale` releases a lock only when its Snakemake ran on this host and is gone, and so
+are its jobs; one trainer per experiment holds the trainer lock."""
 
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from vlgrpo import locks
+from vlgrpo import locks, paths
 
 
 @pytest.fixture
@@ -73,3 +75,36 @@ def test_the_command(locked):
     out = subprocess.run([sys.executable, "-m", "vlgrpo.cli", "unlock-stale", "--directory", str(locked.parent)],
                          capture_output=True, text=True)
     assert out.returncode != 0 and "node-17" in out.stderr
+
+
+def test_a_job_of_the_killed_run_that_still_runs_keeps_the_lock(locked, tmp_path):
+    """Snakemake was SIGKILLed, its jobs were not: a rerun now would start a second trainer."""
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                           env={**os.environ, locks.RUN_ENV: "run-1"})
+    try:
+        owner = owned_by(locked, run="run-1", experiment=str(tmp_path / "results" / "x"))
+        with pytest.raises(locks.StaleLockError, match=f"process {owner['pid']} .*is gone, but jobs of its run still "
+                                                       f"run: process {job.pid} .*time.sleep"):
+            locks.release_stale(locked)
+        assert (locked / "locks" / "0.output.lock").is_file()
+    finally:
+        job.kill()
+        job.wait()
+    assert "has exited" in locks.release_stale(locked)
+
+
+def test_a_trainer_holding_the_experiment_keeps_the_lock_and_a_second_trainer_is_refused(locked, tmp_path):
+    exp = tmp_path / "results" / "x"
+    owned_by(locked, run="run-2", experiment=str(exp))
+    with locks.trainer_lock(exp, 10):
+        with pytest.raises(locks.StaleLockError, match=f"the trainer process {os.getpid()} .*segment to step 10"):
+            locks.release_stale(locked)
+        started = time.monotonic()
+        with pytest.raises(locks.TrainerBusyError, match=f"process {os.getpid()} .*segment to step 10.* holds {exp}"):
+            with locks.trainer_lock(exp, 20, wait_s=1.0):
+                pass
+        assert time.monotonic() - started >= 1.0  # it waited for the first to end
+    assert locks.trainer_holder(exp) is None
+    with locks.trainer_lock(exp, 20, wait_s=0):  # free again once the first ends
+        assert locks.trainer_holder(exp)["end_step"] == 20
+    assert "has exited" in locks.release_stale(locked)

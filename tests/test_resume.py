@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from vlgrpo import val_results
 
 from conftest import make_experiment
-from vlgrpo import config, evaluate, paths
+from vlgrpo import config, evaluate, locks, paths
 from vlgrpo.checkpoint import CheckpointStore, model_tensors
 from vlgrpo.policy import load_model
 from vlgrpo.tracking import read_metrics
@@ -191,6 +191,28 @@ def test_watchdog_kills_a_stalled_segment(demo_base, tmp_path):
     assert time.time() - stopped < 15 + 10
     assert not psutil.pid_exists(child.pid) or child.status() == psutil.STATUS_ZOMBIE
     assert heartbeat.exists()
+
+
+def test_one_trainer_per_experiment_and_none_outlives_its_watchdog(demo_base, tmp_path, monkeypatch):
+    """kill -9 of `vlgrpo train` used to leave its trainer running beside the retry's."""
+    cfg = make_experiment(demo_base, tmp_path)
+    exp = config.experiment_dir(cfg)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("VLGRPO_FAULT")}, "VLGRPO_FAULT": "stall@1"}
+    wrapper = subprocess.Popen(["vlgrpo", "train", "--config", str(paths.path(paths.RESOLVED, exp)), "--end-step", "5"],
+                               env=env, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and locks.trainer_holder(exp) is None:
+        time.sleep(0.5)
+    (child,) = psutil.Process(wrapper.pid).children()
+    assert locks.trainer_holder(exp)["pid"] == child.pid
+    monkeypatch.setattr(locks, "TRAINER_LOCK_WAIT_S", 1.0)
+    with pytest.raises(locks.TrainerBusyError, match=f"another trainer of {exp} runs: process {child.pid}"):
+        run_segment(cfg, 5, paths.path(paths.MARKER, exp, step=5))
+    wrapper.kill()
+    wrapper.wait()
+    child.wait(timeout=10)  # the trainer died with its watchdog (psutil raises TimeoutExpired otherwise)
+    assert locks.trainer_holder(exp) is None
+    assert not paths.path(paths.MARKER, exp, step=5).exists()
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from vlgrpo import config, evaluate, paths
-from vlgrpo.tracking import Tracker, append_record, read_metrics, read_records, wandb_run_id
+from vlgrpo.tracking import RecordError, Tracker, append_record, read_metrics, read_records, wandb_run_id
 
 BASE = {"experiment": "t", "model": {"path": "m"}, "data": {"train": "a.parquet", "val": "b.parquet"}}
 
@@ -26,6 +26,26 @@ def test_resumed_steps_appear_once_and_a_torn_line_is_skipped(tmp_path):
     assert [r.get("reward/overall") for r in records[:3]] == [0.1, 0.25, 0.35]
     assert '"actor/pg_loss": null' in path.read_text()  # NaN stored as null: the line stays valid JSON
     assert math.isnan(records[3]["actor/pg_loss"])
+
+
+def test_a_record_after_a_torn_line_starts_afresh_and_corruption_elsewhere_is_refused(tmp_path, caplog):
+    """A job killed mid-write leaves a torn last line; the next segment's records must not join it."""
+    path = tmp_path / "metrics.jsonl"
+    append_record(path, {"step": 1, "reward/overall": 0.1})
+    with open(path, "a") as f:
+        f.write('{"step": 2, "reward/ov')  # killed mid-write
+    assert [r["step"] for r in read_records(path)] == [1]
+    assert f"{path}:2: skipped a torn last line" in caplog.text  # reading says so
+    for step in (2, 3):  # the resumed segment logs step 2 again, then step 3
+        append_record(path, {"step": step, "reward/overall": step / 10})
+    assert f"{path}:2: cut off a torn last line" in caplog.text and '{"step": 2, "reward/ov' in caplog.text
+    assert [(r["step"], r["reward/overall"]) for r in read_metrics(path)] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert all(json.loads(line) for line in path.read_text().splitlines())  # the file is valid JSONL again
+    # A damaged line that is not the last is refused, naming the file and line.
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], lines[1][:-5], lines[2]]) + "\n")
+    with pytest.raises(RecordError, match=f"{path}:2: not valid JSON.*repair or delete it"):
+        read_records(path)
 
 
 def test_a_validation_record_and_later_timings_join_their_training_step(tmp_path):

@@ -11,12 +11,15 @@
     vlgrpo bench    --config configs/bench_cpu.yaml --out benchmarks/results/x.json
     vlgrpo unlock-stale [--directory DIR]    before snakemake, after a Snakemake was killed hard
     vlgrpo from-easyr1 CONFIG.yaml [key=value ...] --out RECIPE.yaml    an EasyR1 config + script -> a recipe
+    vlgrpo check    --config results/<exp>/config.resolved.yaml [--no-device] [--no-engine]
+                                             before any job (the workflow's onstart runs it)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -30,8 +33,7 @@ import psutil
 import yaml
 
 from vlgrpo import config as config_lib
-from vlgrpo import console, paths
-from vlgrpo.errors import VlgrpoError
+from vlgrpo import console, failures, locks, paths
 
 
 def cmd_resolve(args) -> None:
@@ -122,7 +124,8 @@ def cmd_train(args) -> None:
         trainer_command(cfg, ["--config", str(args.config), "--end-step", str(args.end_step),
                               "--marker", str(marker), "--heartbeat", str(heartbeat)]),
         start_new_session=True,
-        env={**os.environ, "VLGRPO_JOB_START": str(started)},
+        preexec_fn=functools.partial(locks.die_with_parent, os.getpid()),  # no trainer outlives this watchdog
+        env={**os.environ, "VLGRPO_JOB_START": str(started), **locks.watchdog_env()},
         pass_fds=console.pass_fds(),  # the trainer's recoveries are said on the console too
     )
     forward = lambda signum, _frame: os.killpg(child.pid, signum)  # noqa: E731 Snakemake's or scancel's SIGTERM
@@ -144,12 +147,19 @@ def cmd_train(args) -> None:
             child.wait()
             sys.exit(f"vlgrpo train: no progress for {age:.0f} s (trainer.stall_timeout_s={timeout}); killed the segment")
     if child.returncode != 0:
+        if (line := failures.earlier(exp, _job(args)[1], any_run=True)) is not None:
+            sys.exit(line)  # the trainer's user error: one line, its traceback above in the log
         sys.exit(f"vlgrpo train: the segment to step {args.end_step} failed (exit status {child.returncode})")
 
 
-def cmd_unlock_stale(args) -> None:
-    from vlgrpo import locks
+def cmd_check(args) -> None:
+    from vlgrpo import preflight
 
+    for note in preflight.check(config_lib.read_resolved(args.config), device=args.device, engine=args.engine):
+        print(note)
+
+
+def cmd_unlock_stale(args) -> None:
     print(locks.release_stale(Path(args.directory) / ".snakemake"))
 
 
@@ -203,6 +213,11 @@ def main(argv=None) -> None:
             p.add_argument("--step", type=int, required=True)
         if name == "train":
             p.add_argument("--end-step", type=int, required=True)
+    p = sub.add_parser("check", help="check the reward function, the engine, the device and the model before any job")
+    p.add_argument("--config", required=True, help="results/<exp>/config.resolved.yaml")
+    p.add_argument("--no-device", dest="device", action="store_false", help="jobs run on other nodes: skip the GPU check")
+    p.add_argument("--no-engine", dest="engine", action="store_false", help="jobs run in another environment: skip the vLLM check")
+    p.set_defaults(func=cmd_check)
     p = sub.add_parser("unlock-stale", help="release the lock of a Snakemake that was killed hard on this host")
     p.add_argument("--directory", default=".", help="the Snakemake working directory")
     p.set_defaults(func=cmd_unlock_stale)
@@ -210,10 +225,22 @@ def main(argv=None) -> None:
     sub.add_parser("bench", help="the GRPO step benchmark (see vlgrpo bench --help)")
     sub.add_parser("from-easyr1", help="an EasyR1 config and a script's overrides -> a recipe (see vlgrpo from-easyr1 --help)")
     args = parser.parse_args(argv)
+    exp, job = _job(args)
+    if job:
+        failures.stop_if_failed_before(exp, job)  # a retry of a job that failed on a user error in this run
     try:
         args.func(args)
-    except (VlgrpoError, FileNotFoundError) as e:
+    except failures.USER_ERRORS as e:
+        if job:
+            failures.exit_on_user_error(exp, job, f"vlgrpo {args.command}", e)
         sys.exit(f"vlgrpo {args.command}: {e}")
+
+
+def _job(args) -> tuple[Path | None, str | None]:
+    """(experiment folder, job name as in its log's name) of a workflow job's command; (None, None) otherwise."""
+    name = {"filter": lambda: f"filter_{args.split}", "evaluate": lambda: f"evaluate_{paths.step_str(args.step)}",
+            "train": lambda: f"train_{paths.step_str(args.end_step)}"}.get(args.command)
+    return (Path(args.config).parent, name()) if name else (None, None)
 
 
 if __name__ == "__main__":

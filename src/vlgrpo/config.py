@@ -30,6 +30,10 @@ class ConfigError(VlgrpoError, ValueError):
     """A config that does not match the schema; the message names the key and what is allowed."""
 
 
+NO_CUDA = ("trainer.device is 'cuda' but no CUDA device is visible here; use a GPU node, or set "
+           "trainer.device: cpu (or auto: CUDA where there is a GPU)")
+
+
 def _with_defaults(validator_class):
     """Extend a jsonschema validator so that it fills in `default` values of missing properties."""
     validate_properties = validator_class.VALIDATORS["properties"]
@@ -57,6 +61,12 @@ def _describe(error: jsonschema.ValidationError) -> str:
     if error.validator == "additionalProperties":
         allowed = sorted(schema.get("properties", {}))
         return f"{error.message} at '{key}'; allowed keys: {', '.join(allowed)}"
+    if error.validator == "required":  # one line naming the missing key, not the object's whole description
+        missing = [k for k in error.validator_value if isinstance(error.instance, dict) and k not in error.instance]
+        props = schema.get("properties", {})
+        named = [f"'{key}.{k}'" if error.absolute_path else f"'{k}'" for k in missing]
+        hints = [props.get(k, {}).get("description", "").split(";")[0].strip() for k in missing]
+        return f"missing required key {', '.join(named)}" + "".join(f" ({h})" for h in hints if h)
     if error.validator == "enum":
         return f"'{key}' is {error.instance!r}; allowed values: {', '.join(map(repr, schema['enum']))}"
     what = schema.get("description", "")

@@ -26,7 +26,7 @@ from vlgrpo.checkpoint import CheckpointStore
 from vlgrpo.data.filtering import load_filtered
 from vlgrpo.data.sources import load_processor
 from vlgrpo.policy import load_model, resolve_device
-from vlgrpo.rewards import reward_from_config, start_workers
+from vlgrpo.rewards import reward_file_digest, reward_from_config, start_workers
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.graded import generate_and_grade
 from vlgrpo.rollout.sampling import sample_key
@@ -126,6 +126,7 @@ def evaluate(cfg: dict, step: int, model=None, engine=None, in_process: bool = F
     record["timing_s/validation"] = time.perf_counter() - start
 
     record["eval_key"] = key
+    record["reward_sha256"] = reward_file_digest(cfg["worker"]["reward"]["reward_function"])  # a later run tells a change
     record["validated_in_process"] = in_process
 
     lines = []

@@ -18,6 +18,7 @@ VAL_KEPT = "{exp}/val/kept/step_{step}.json"
 GENERATIONS_KEPT = "{exp}/val/kept/step_{step}.generations.jsonl"
 MARKER = "{exp}/segments/step_{step}.json"
 HEARTBEAT = "{exp}/segments/heartbeat"
+TRAINER_LOCK = "{exp}/segments/trainer.lock"  # held by the one trainer that runs (vlgrpo.locks)
 CHECKPOINTS = "{exp}/checkpoints"
 METRICS = "{exp}/metrics.jsonl"
 WANDB_RUN_ID = "{exp}/wandb_run_id"

@@ -34,7 +34,7 @@ from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position
 
 from vlgrpo import distributed
 from vlgrpo.batch import PromptBatch, to_device
-from vlgrpo.config import ConfigError
+from vlgrpo.config import NO_CUDA, ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -73,7 +73,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device is 'cuda' but no CUDA device is visible")
+        raise ConfigError(NO_CUDA)
     return torch.device(name)
 
 

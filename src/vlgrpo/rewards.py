@@ -22,6 +22,7 @@ EasyR1 binds them; `format_weight` null means the reward's own default; `reward_
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import inspect
 import logging
@@ -194,7 +195,8 @@ class RewardFunction:
             failed = sum(r is None for r in results)
             raise RewardContractError(
                 f"reward function {self.name}, called as the {self.form!r} form ({self.chosen_by}), failed on {failed} of "
-                f"{len(results)} responses built from real answers before the run:\n{error}\n{CONTRACT}"
+                f"{len(results)} responses built from real answers before the run ({error.strip().splitlines()[-1]}):"
+                f"\n{error}\n{CONTRACT}"
             )
 
 
@@ -297,11 +299,27 @@ def load_reward_function(
     return RewardFunction(fn, form, spec, chosen_by, max_error_fraction)
 
 
+def reward_file_digest(spec: str) -> str | None:
+    """SHA-256 of the file of a "path/to/file.py:function" reward (None for a built-in or a missing
+    file): recorded with the results made with it, so a later run can tell that the file changed."""
+    path = Path(spec.rpartition(":")[0])
+    if spec in BUILTIN_REWARDS or not path.is_file():
+        return None
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def reward_from_config(cfg: dict, check_answers: list[str] | None = None) -> RewardFunction:
     """The configured reward function (cfg: the whole config), checked on these answers if given."""
     reward = cfg["worker"]["reward"]
-    fn = load_reward_function(reward["reward_function"], reward["format_weight"], reward["reward_type"], reward["max_error_fraction"],
-                              reward["reward_function_kwargs"])
+    try:
+        fn = load_reward_function(reward["reward_function"], reward["format_weight"], reward["reward_type"], reward["max_error_fraction"],
+                                  reward["reward_function_kwargs"])
+    except RewardContractError:
+        raise
+    except Exception as error:  # importing the user's file runs its code: whatever fails is in the file or the key
+        raise RewardContractError(
+            f"worker.reward.reward_function {reward['reward_function']!r}: {type(error).__name__}: {error}"
+        ) from error
     if check_answers:
         fn.check(check_answers)
     return fn

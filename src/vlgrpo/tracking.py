@@ -27,7 +27,9 @@ metrics.jsonl and the report keep the later value.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import math
 import os
 import random
@@ -41,6 +43,8 @@ from typing import Any
 
 from vlgrpo import paths
 from vlgrpo.errors import VlgrpoError
+
+log = logging.getLogger(__name__)
 
 Record = dict[str, Any]
 KIND = "kind"  # "train" or "val": what wrote the record (metadata, not a metric)
@@ -57,14 +61,27 @@ def _finite_or_none(value):
 
 def append_record(path: str | os.PathLike, record: Mapping, kind: str = "train") -> None:
     """Append one JSON line in a single write (jobs that run side by side append to the same file)
-    and fsync it. NaN/Inf become null so the line stays valid JSON."""
+    and fsync it. NaN/Inf become null so the line stays valid JSON.
+
+    A job killed in the middle of a write leaves a torn last line, without its newline: it is cut
+    off first (the step it held is logged again by the resumed job), with a warning naming the file
+    and line and quoting what was cut, so the record does not join it and the file stays valid. The
+    check and the write hold an exclusive lock on the file: appending jobs never see each other's
+    line half written."""
     line = json.dumps({"step": record["step"], KIND: kind, **{k: _finite_or_none(v) for k, v in record.items()}}) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        data = os.pread(fd, os.fstat(fd).st_size, 0)
+        if data and not data.endswith(b"\n"):
+            keep = data.rfind(b"\n") + 1
+            log.warning("%s:%d: cut off a torn last line (a job stopped in the middle of writing it; its step "
+                        "is logged again by the resumed job): %r", path, data.count(b"\n") + 1, data[keep:][:300].decode(errors="replace"))
+            os.ftruncate(fd, keep)
         os.write(fd, line.encode())
         os.fsync(fd)
     finally:
-        os.close(fd)
+        os.close(fd)  # releases the lock
 
 
 def flatten(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -119,9 +136,9 @@ def read_records(path: str | os.PathLike) -> list[Record]:
     """The records of one JSONL metric file (our metrics.jsonl or an EasyR1 experiment_log.jsonl), in
     file order, unmerged.
 
-    A malformed last line is skipped: it is what a job killed in the middle of a write leaves
-    behind, and the step it held is logged again after the resume. Malformed lines elsewhere are
-    errors.
+    A malformed last line is skipped with a warning naming the file and line: it is what a job
+    killed in the middle of a write leaves behind (the next append cuts it off), and the step it
+    held is logged again after the resume. Malformed lines elsewhere are errors.
     """
     path = Path(path)
     if not path.is_file():
@@ -137,8 +154,11 @@ def read_records(path: str | os.PathLike) -> list[Record]:
             raw = json.loads(line)
         except json.JSONDecodeError as err:
             if number == len(lines):
+                log.warning("%s:%d: skipped a torn last line (%s; a job stopped in the middle of writing it)",
+                            path, number, err.msg)
                 break
-            raise RecordError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+            raise RecordError(f"{path}:{number}: not valid JSON ({err.msg}); only a torn last line is skipped, so "
+                                  "this line is damaged: repair or delete it") from None
         records.append(to_record(raw, f"{path}:{number}"))
     return records
 

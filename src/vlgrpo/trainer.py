@@ -50,7 +50,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vlgrpo import config as config_lib
-from vlgrpo import atomic, distributed, estimators, evaluate, grpo, metrics, paths, plan, val_results
+from vlgrpo import atomic, distributed, estimators, evaluate, failures, grpo, locks, metrics, paths, plan, val_results
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.checkpoint import CheckpointStore, PendingSave, apply_retention
 from vlgrpo.data.filtering import load_filtered
@@ -58,7 +58,7 @@ from vlgrpo.data.sources import load_processor
 from vlgrpo.errors import VlgrpoError
 from vlgrpo.optim import build_optimizer, lr_at
 from vlgrpo.policy import ForwardOptions, load_pretrained, micro_batches, prepare_model, resolve_device, response_logprobs
-from vlgrpo.rewards import reward_from_config
+from vlgrpo.rewards import reward_file_digest, reward_from_config
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.graded import Graded, concat_rollouts, encode_batch, generate_and_grade, select_rollout
 from vlgrpo.rollout.sampling import sample_key
@@ -528,6 +528,14 @@ class GRPOTrainer:
 
 
 def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | None = None) -> dict:
+    """_run_segment while rank 0 holds the experiment's trainer lock: one trainer at a time
+    (vlgrpo.locks; a second one waits for the first to end, then fails naming it)."""
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    with locks.trainer_lock(config_lib.experiment_dir(cfg), end_step) if rank0 else contextlib.nullcontext():
+        return _run_segment(cfg, end_step, marker, heartbeat)
+
+
+def _run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | None = None) -> dict:
     """Train from the latest checkpoint to `end_step`, save a checkpoint there, validate it in-process
     if it is on the validation grid, write the marker last.
 
@@ -595,6 +603,7 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
         "start_step": start,
         "checkpoint": str(trainer.store.path(end_step)),
         "config_hash": training_hash(trainer.cfg),
+        "reward_sha256": reward_file_digest(cfg["worker"]["reward"]["reward_function"]),  # a later run tells a change
         "metrics": summary,
         "validated_in_process": validation is not None,
         "timing_s": times,
@@ -613,6 +622,7 @@ def main(argv=None) -> None:
     parser.add_argument("--heartbeat")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    locks.exit_with_watchdog()  # a trainer whose `vlgrpo train` was killed stops too
     cfg = config_lib.read_resolved(args.config)
     # Rank 0 beats for all: a rank that hangs stops rank 0 at its next collective, so the beat goes stale.
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -620,7 +630,10 @@ def main(argv=None) -> None:
     heartbeat.beat()  # imports are done
     if "VLGRPO_JOB_START" in os.environ:  # the first part of timing_s/startup
         log.info("imports done %.1f s after the job started", time.time() - float(os.environ["VLGRPO_JOB_START"]))
-    run_segment(cfg, args.end_step, Path(args.marker), heartbeat)
+    try:
+        run_segment(cfg, args.end_step, Path(args.marker), heartbeat)
+    except failures.USER_ERRORS as error:  # fails once, with one line (vlgrpo.failures)
+        failures.exit_on_user_error(config_lib.experiment_dir(cfg), f"train_{paths.step_str(args.end_step)}", "vlgrpo train", error)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

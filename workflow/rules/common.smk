@@ -1,8 +1,10 @@
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from vlgrpo import config as config_lib
-from vlgrpo import demo_folders, fingerprint, locks, paths, plan, val_results
+from vlgrpo import demo_folders, failures, fingerprint, locks, paths, plan, val_results
 from vlgrpo.config import ConfigError
 from vlgrpo.report.plots import FIGURES
 
@@ -121,9 +123,42 @@ def report_outputs():
 
 # Only when jobs are about to run (onstart: never for a dry run, a lint or a report). The resolved
 # config is what jobs read, rewritten only when it changes: the rerun decision rests on the `params`
-# hashes, so raising max_steps only adds segments. The lock's owner is recorded for
-# `vlgrpo unlock-stale` (vlgrpo/locks.py).
+# hashes, so raising max_steps only adds segments. The run gets an id that its jobs inherit, and the
+# lock's owner is recorded, for `vlgrpo unlock-stale` (vlgrpo/locks.py).
+# Then `vlgrpo check` (vlgrpo/preflight.py): the reward function, the engine, the device and a hub
+# model, so a mistake stops the run here with one line; its notes (a changed reward file) are shown.
 onstart:
     if not Path(RESOLVED).is_file() or config_lib.read_resolved(RESOLVED) != CFG:
         config_lib.write_resolved(CFG, RESOLVED)
-    locks.record_owner()
+    locks.start_run(EXP)
+    _checked = subprocess.run(
+        [sys.executable, "-m", "vlgrpo.cli", "check", "--config", RESOLVED]
+        + ([] if workflow.nodes is None else ["--no-device"])  # an executor runs jobs on other nodes
+        + (["--no-engine"] if workflow.deployment_settings.deployment_method else []),  # jobs run in their own env
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    if _checked.returncode:
+        lines = [l for l in _checked.stderr.splitlines() if l.startswith("vlgrpo check: ")]
+        sys.exit(lines[-1] if lines else _checked.stderr)
+
+
+def input_warnings():
+    """The filter's warnings about the data (too many undecodable images), in its stats files."""
+    out = []
+    for split in ("train", "val"):
+        stats = paths.path(paths.STATS, EXP, split=split)
+        out += json.loads(stats.read_text()).get("warnings", []) if stats.is_file() else []
+    return out
+
+
+# The last words of a run: warnings about its data (also in the report), and the line of each job that
+# failed on a user error (not retried).
+onsuccess:
+    for line in input_warnings():
+        print(f"warning: {line}", file=sys.stderr)
+
+
+onerror:
+    for line in [f"warning: {w}" for w in input_warnings()] + failures.summary(EXP):
+        print(line, file=sys.stderr)

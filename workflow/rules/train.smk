@@ -13,7 +13,7 @@ rule train_segment:
     params:
         config=RESOLVED,
         key=config_key(*config_lib.TRAIN_KEYS),
-    retries: CFG["trainer"]["retries"]
+    retries: failures.RetriesUnlessUserError(CFG["trainer"]["retries"], EXP, "train_")  # none after a user error
     resources:
         gpu=TRAIN_GPUS,
     log:

@@ -57,6 +57,9 @@ DROP_REASONS = (
     "prompt_too_long",
 )
 DROPPED_ROWS_LISTED = 20  # source indices listed per reason in the stats, to trace drops
+# More undecodable images than this fraction of a split is a damaged source, not a few bad rows: the
+# filter warns (its log, the stats' "warnings", the workflow's last words and the report).
+UNDECODABLE_WARN_FRACTION = 0.05
 
 
 def output_schema() -> pa.Schema:
@@ -297,6 +300,14 @@ def filter_split(
         "rollout_batch_size": batch_size,
         "steps_per_epoch": len(kept) // batch_size,  # drop_last
     }
+    undecodable = dropped["image_undecodable"]
+    if undecodable > UNDECODABLE_WARN_FRACTION * len(ds):
+        stats["warnings"] = [
+            f"{data[split]} ({split}): {undecodable} of {len(ds)} rows ({undecodable / len(ds):.0%}) dropped as "
+            f"undecodable images (rows {dropped_rows['image_undecodable'][:5]}...; {split}.stats.json lists more), "
+            f"more than {UNDECODABLE_WARN_FRACTION:.0%}: check the source's image column"
+        ]
+        log.warning("%s", stats["warnings"][0])
     table = pa.Table.from_pylist(kept, schema=output_schema())
     with atomic.replacing(out_parquet) as tmp:
         pq.write_table(table, tmp)

@@ -53,6 +53,20 @@ def _parse_source(spec: str) -> list[Path] | tuple[str, str]:
     return name, split
 
 
+def _check_rows(spec: str, files: list[Path]) -> None:
+    """DataError naming the file(s) when the parquet files hold no rows at all, or one is no parquet file."""
+    import pyarrow.parquet as pq
+
+    rows = {}
+    for file in files:
+        try:
+            rows[file] = pq.ParquetFile(file).metadata.num_rows
+        except Exception as e:  # pyarrow's error says what is wrong with the bytes
+            raise DataError(f"{file}: not a readable parquet file ({type(e).__name__}: {e})") from None
+    if not any(rows.values()):
+        raise DataError(f"{spec}: no rows in {', '.join(map(str, files))} (the parquet file(s) hold columns but no data)")
+
+
 def load_split(spec: str, image_key: str, prompt_key: str, answer_key: str) -> datasets.Dataset:
     """Load one split: 'owner/name@split' from the hub, or a local parquet file or folder of them.
 
@@ -62,6 +76,8 @@ def load_split(spec: str, image_key: str, prompt_key: str, answer_key: str) -> d
     import datasets  # here: training and evaluation load the processor from this module without it
 
     source = _parse_source(spec)
+    if isinstance(source, list):
+        _check_rows(spec, source)
     try:
         if isinstance(source, list):
             ds = datasets.load_dataset("parquet", data_files=[str(f) for f in source], split="train")
@@ -123,6 +139,36 @@ def check_model_folder(folder: str | os.PathLike) -> None:
         raise DataError(f"{folder} is not a Qwen2.5-VL model folder; missing " + "; ".join(problems))
 
 
+def check_hub_model(model_id: str) -> bool:
+    """Whether the hub serves `model_id` (True), or only this machine's cache holds it (False: load it
+    with local_files_only); DataError at once, saying to give a local folder, when neither does.
+
+    One request with a short timeout: unreached, transformers would retry every file for minutes.
+    HF_HUB_OFFLINE=1 skips the request."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    cached = isinstance(try_to_load_from_cache(model_id, "config.json"), str)
+    fix = ("give a local model folder as model.path (config.json, the weights and the processor files; "
+           "`huggingface-cli download ID --local-dir DIR` makes one where the hub can be reached)")
+    if constants.HF_HUB_OFFLINE:
+        if cached:
+            return False
+        raise DataError(f"model.path {model_id!r} is not a local folder, HF_HUB_OFFLINE is set and this machine's "
+                        f"hub cache does not hold it; {fix}")
+    try:
+        model_info(model_id, timeout=10)
+        return True
+    except (RepositoryNotFoundError, GatedRepoError) as e:
+        raise DataError(f"model.path {model_id!r} is not a local folder, and the hub refuses it "
+                        f"({type(e).__name__}: {str(e).splitlines()[0]}); {fix}") from None
+    except Exception as e:  # unreachable: no network, a proxy, a timeout
+        if cached:
+            return False
+        raise DataError(f"model.path {model_id!r} is not a local folder, and the hub cannot be reached from here "
+                        f"({type(e).__name__}: {e}) nor does this machine's hub cache hold it; {fix}") from None
+
+
 def load_processor(model_path: str) -> ProcessorMixin:
     """The model's processor, with its own pixel bounds (as EasyR1 loads it) and left padding.
 
@@ -135,8 +181,9 @@ def load_processor(model_path: str) -> ProcessorMixin:
     if local:
         check_model_folder(model_path)
         model_path = str(Path(model_path).expanduser())
+    cache_only = not local and not check_hub_model(model_path)
     try:
-        processor = AutoProcessor.from_pretrained(model_path)
+        processor = AutoProcessor.from_pretrained(model_path, local_files_only=cache_only)
     except Exception as e:  # say which folder or hub id, and how loading failed
         if isinstance(e, OSError) and not local:
             raise DataError(f"model.path {model_path!r} is neither a local model folder nor a reachable hub id: {e}") from e

@@ -10,7 +10,7 @@ from pathlib import Path
 from vlgrpo import atomic
 from vlgrpo.report import analysis as A
 from vlgrpo.report.html import SampleColumn, render_html
-from vlgrpo.report.narrative import narrative
+from vlgrpo.report.narrative import Section, narrative
 from vlgrpo.report.plots import FIGURES, WIDE_FIGURES, FigureContext, render_figures
 from vlgrpo.report.records import Record, merge_records
 
@@ -38,13 +38,15 @@ def build_report(
     n_gpus: int | None = None,
     validation_in_step: bool = False,
     source: str = "",
+    warnings: list[str] | None = None,
 ) -> dict:
     """Write report.html, summary.json and FIGURES into out_dir; return the summary.
 
     records: in launch/log order (see records.merge_records). max_grad_norm: the clip threshold
     the run used. n_gpus: GPUs behind perf/throughput; None infers it from perf/ metrics.
     validation_in_step: True when timing_s/step of a validated step already includes its
-    validation (EasyR1), False when validation ran as a separate job (ours).
+    validation (EasyR1), False when validation ran as a separate job (ours). warnings: about the
+    run's inputs (the filter's), shown first and kept in summary["warnings"].
     """
     frame = merge_records(records)
     n_gpus = n_gpus or A.infer_n_gpus(frame)
@@ -60,6 +62,9 @@ def build_report(
     sections = narrative(
         frame, summary, max_grad_norm=max_grad_norm, validation_in_step=validation_in_step, n_gpus=n_gpus
     )
+    if warnings:
+        summary["warnings"] = list(warnings)
+        sections.insert(0, Section("Warnings", list(warnings)))
     page = render_html(
         title=title,
         source=source,

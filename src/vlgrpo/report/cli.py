@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from vlgrpo.config import ConfigError, read_resolved
@@ -55,6 +56,14 @@ def options_from_config(path: Path) -> dict:
     }
 
 
+def input_warnings(exp_dir: Path) -> list[str]:
+    """The filter's warnings about the experiment's data (data/*.stats.json)."""
+    out = []
+    for stats in sorted((exp_dir / "data").glob("*.stats.json")):
+        out += json.loads(stats.read_text()).get("warnings", [])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -72,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             records = read_experiment(args.experiment_dir)
             source = f"vlgrpo experiment {args.experiment_dir}" + (f", config {config}" if config.is_file() else "")
             validation_in_step = False
+            options["warnings"] = input_warnings(args.experiment_dir)
         else:
             options = {"title": f"EasyR1 run: {args.from_easyr1[0].resolve().parent.name}"}
             records = read_easyr1(args.from_easyr1)

@@ -7,6 +7,9 @@ This is how the demo found that training the tower and the language model togeth
 erases the image pathway (accuracy 0.25) while either alone learns it.
 
     python scripts/demo_count_readout.py results/_demo/tiny_qwen2_5_vl results/_demo/geometry_synth --train all --lr 1e-3
+
+(the workflow makes both in folders keyed by their settings: results/_demo/tiny_qwen2_5_vl-<key>,
+results/_demo/geometry_synth-<key>; config.resolved.yaml names them)
 """
 
 import argparse

@@ -15,11 +15,12 @@ from vlgrpo.trainer import GRPOTrainer, run_segment
 
 SMALL = {"rollout": {"n": 4, "batch_size": 2}, "actor": {"global_batch_size": 2}}
 
-# Prompts with an even answer score 1 on every sample (an all-equal group, mean 1); the others score
-# the parity of the response's length (mixed groups, now and then all-equal ones).
+# Prompts with an even number of triangles (the answer is their angle sum, 180 per triangle) score 1
+# on every sample (an all-equal group, mean 1); the others score the parity of the response's length
+# (mixed groups, now and then all-equal ones).
 PARITY_REWARD = '''
 def compute(response, ground_truth):
-    if int(ground_truth) % 2 == 0:
+    if int(ground_truth) // 180 % 2 == 0:
         return {"overall": 1.0, "format": 1.0, "accuracy": 1.0}
     hit = float(len(response) % 2)
     return {"overall": hit, "format": 1.0, "accuracy": hit}
@@ -112,7 +113,7 @@ def test_online_filtering_keeps_only_groups_inside_the_band(demo_base, tmp_path)
     t = GRPOTrainer(cfg)
     t.load(0)
     params = SamplingParams(1.0, 1.0, cfg["data"]["max_response_length"])
-    even = sum(int(r["answer"]) % 2 == 0 for r in t.rows)
+    even = sum(int(r["answer"]) // 180 % 2 == 0 for r in t.rows)
     assert 0 < even < len(t.rows)  # both kinds of prompt exist
     for step in (1, 2):
         # tries are a pure function of (seed, step, try), never repeat a prompt within a step
@@ -125,7 +126,7 @@ def test_online_filtering_keeps_only_groups_inside_the_band(demo_base, tmp_path)
         means = torch.tensor([s["overall"] for s in scores]).view(-1, 4).mean(1)
         assert len(rows) == 2 and len(prompts) == 8 and out.responses.shape[0] == 8
         assert all(0.01 < m < 0.99 for m in means.tolist())
-        assert all(int(r["answer"]) % 2 for r in rows)  # no all-equal (even-answer) group was kept
+        assert all(int(r["answer"]) // 180 % 2 for r in rows)  # no all-equal (even-count) group was kept
         tried_rows = [t.rows[i] for k in range(1, info["batch/num_try_make_batch"] + 1) for i in t.try_indices(step, k)]
         kept = {r["index"] for r in rows}
         assert [r["index"] for r in rows] == [r["index"] for r in tried_rows if r["index"] in kept]  # in the order tried

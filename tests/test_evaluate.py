@@ -52,3 +52,41 @@ def test_missing_checkpoint_weights_are_a_clear_error(demo_base, tmp_path):
     cfg = make_experiment(demo_base, tmp_path)
     with pytest.raises(FileNotFoundError, match="no model weights for step 5"):
         model_path_for(cfg, 5)
+
+
+def test_top_k_one_samples_the_greedy_responses_and_val_takes_the_rollouts_top_k(demo_base, tmp_path):
+    """val_override_config.top_k unset (null) takes worker.rollout.top_k, as EasyR1 overrides only the keys given."""
+    greedy = make_experiment(demo_base, tmp_path / "greedy", {"worker": {"rollout": {"val_override_config": {"temperature": 0}}}})
+    top1 = make_experiment(demo_base, tmp_path / "top1", {"worker": {"rollout": {
+        "top_k": 1, "val_override_config": {"temperature": 1.0, "top_p": 1.0}}}})
+    evaluate(greedy, 0)
+    evaluate(top1, 0)
+
+    def responses(cfg):
+        return [json.loads(l)["response"] for l in paths.path(paths.GENERATIONS, config.experiment_dir(cfg), step=0).read_text().splitlines()]
+
+    assert responses(top1) == responses(greedy)
+
+
+REWARD_WITHOUT_FORMAT = '''
+REWARD_TYPE = "batch"
+
+
+def compute_score(reward_inputs, bonus):
+    return [{"overall": float(r["ground_truth"] in r["response"]) + bonus, "accuracy": float(r["ground_truth"] in r["response"]),
+             "length": float(r["response_length"])} for r in reward_inputs]
+'''
+
+
+def test_a_reward_without_format_logs_its_own_keys(demo_base, tmp_path):
+    """EasyR1's dapo.py-style results (no `format`) with reward_function_kwargs: val/<key>_reward for each key."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD_WITHOUT_FORMAT)
+    cfg = make_experiment(demo_base, tmp_path, {"worker": {"reward": {
+        "reward_function": f"{reward}:compute_score", "reward_function_kwargs": {"bonus": 0.5}}}})
+    record = evaluate(cfg, 0)
+    lines = [json.loads(l) for l in paths.path(paths.GENERATIONS, config.experiment_dir(cfg), step=0).read_text().splitlines()]
+    assert "val/format_reward" not in record
+    assert record["val/length_reward"] == pytest.approx(sum(l["length"] for l in lines) / len(lines))
+    assert record["val/overall_reward"] == pytest.approx(record["val/accuracy_reward"] + 0.5) == record["val/reward_score"]
+    assert record["val/pass@1"] == pytest.approx(record["val/accuracy_reward"])

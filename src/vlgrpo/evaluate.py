@@ -101,13 +101,16 @@ def evaluate(cfg: dict, step: int, model=None, engine=None, in_process: bool = F
     def mean(key):
         return sum(s[key] for s in scores) / len(scores)
 
+    pass_at = {}  # vlgrpo's own metric, where the reward gives an accuracy
+    if "accuracy" in scores[0]:
+        accuracy = torch.tensor([s["accuracy"] for s in scores]).view(len(rows), n)
+        pass_at[f"val/pass@{n}"] = (accuracy >= 1.0).any(dim=1).float().mean().item()
     record = {
         "step": step,
         **{f"val/{k}_reward": mean(k) for k in scores[0]},  # every key the reward returns, as EasyR1
         "val/reward_score": mean("overall"),
         "val/reward_errors": errors,
-        **({f"val/pass@{n}": torch.tensor([s["accuracy"] for s in scores]).view(len(rows), n).ge(1.0).any(dim=1).float().mean().item()}
-           if "accuracy" in scores[0] else {}),
+        **pass_at,
         **metrics.length_metrics("val_response_length", out.lengths, data["max_response_length"]),
         **metrics.length_metrics("val_prompt_length", prompts.attention_mask.sum(-1), data["max_prompt_length"]),
         "val/tokens_per_s": float(out.lengths.sum()) / timing["generation"],

@@ -132,9 +132,9 @@ def _warmup_ratio(value, values):
     return 0.0 if values.get("worker.actor.optim.lr_warmup_steps") is not None else value
 
 
-def _val(key, fallback):
-    """val_override_config.<key>: EasyR1 overrides only the keys given, else the rollout's own."""
-    return lambda values: values.get(f"worker.rollout.{key}", fallback) if fallback is not None else None
+def _rollouts(key):
+    """val_override_config.<key>'s default: EasyR1 overrides only the keys given, else validation samples as the rollout."""
+    return lambda values: values[f"worker.rollout.{key}"]
 
 
 _VLLM_ONLY = ("a vLLM setting; the recipe leaves worker.rollout.engine at auto (the static engine on CUDA, "
@@ -273,11 +273,11 @@ RULES: dict[str, Rule] = {
     "worker.rollout.max_num_batched_tokens": no_effect(8192, _VLLM_ONLY.format("max_num_batched_tokens")),
     "worker.rollout.disable_log_stats": no_effect(True, "vLLM's logging"),
     "worker.rollout.disable_tqdm": no_effect(False, "progress bars"),
-    "worker.rollout.val_override_config.temperature": mapped(_val("temperature", 1.0), "worker.rollout.val_override_config.temperature",
+    "worker.rollout.val_override_config.temperature": mapped(_rollouts("temperature"), "worker.rollout.val_override_config.temperature",
                                                              "unset: the rollout's, as EasyR1"),
-    "worker.rollout.val_override_config.top_p": mapped(_val("top_p", 1.0), "worker.rollout.val_override_config.top_p",
+    "worker.rollout.val_override_config.top_p": mapped(_rollouts("top_p"), "worker.rollout.val_override_config.top_p",
                                                        "unset: the rollout's, as EasyR1"),
-    "worker.rollout.val_override_config.top_k": mapped(_val("top_k", None), "worker.rollout.val_override_config.top_k",
+    "worker.rollout.val_override_config.top_k": mapped(None, "worker.rollout.val_override_config.top_k",
                                                        "unset (null): the rollout's, as EasyR1"),
     "worker.rollout.val_override_config.n": mapped(1, "worker.rollout.val_override_config.n"),
     "worker.rollout.val_override_config.*": unsupported(None, "validation sampling takes temperature, top_p, top_k and n"),
@@ -491,7 +491,6 @@ def main(argv=None) -> int:
     parser.add_argument("config", help="EasyR1 config file (its examples/config.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="a launch script's dotted overrides")
     parser.add_argument("--out", required=True, help="the vlgrpo recipe to write")
-    parser.add_argument("--header", action="append", default=[], help="a comment line for the recipe's top (repeatable)")
     args = parser.parse_args(argv)
     path = Path(args.config)
     if not path.is_file():
@@ -501,7 +500,7 @@ def main(argv=None) -> int:
     except config_lib.ConfigError as e:
         sys.exit(f"vlgrpo from-easyr1: {e}")
     command = " ".join(["vlgrpo from-easyr1", str(path), *args.overrides, "--out", args.out])
-    header = [*args.header, f"Made by: {command}", "Each value names the EasyR1 key it comes from (docs/from-easyr1.md).", ""]
+    header = [f"Made by: {command}", "Each value names the EasyR1 key it comes from (docs/from-easyr1.md).", ""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(render(recipe, entries, header))
     problems = [e for e in entries if e.problem]

@@ -155,3 +155,30 @@ def test_empty_files_and_bad_specs_are_errors_naming_the_file(tmp_path):
         load_split(str(mixed), "images", "problem", "answer")
     with pytest.raises(FileNotFoundError, match="not found: .*absent.jsonl"):
         load_split(str(tmp_path / "absent.jsonl"), "images", "problem", "answer")
+
+
+@needs_qwen
+def test_override_chat_template_renders_image_and_text_rows_with_the_given_template(tmp_path):
+    template = tmp_path / "plain.jinja"
+    template.write_text(
+        "{% for m in messages %}[{{ m.role }}]{% if m.content is string %}{{ m.content }}{% else %}"
+        "{% for c in m.content %}{% if c.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+        "{% else %}{{ c.text }}{% endif %}{% endfor %}{% endif %}{% endfor %}[assistant]"
+    )
+    images = tmp_path / "images"
+    write_images(images)
+    rows = ROWS + [{"problem": "Plain text?", "answer": "1"}]
+    cfg = cfg_for(str(write_form(tmp_path / "r.jsonl", rows)), image_dir=str(images), format_prompt=str(write_plain(tmp_path)),
+                  override_chat_template=str(template))
+    _, kept = filtered(cfg, tmp_path / "o")
+    assert kept[0]["prompt"] == "[user]<|vision_start|><|image_pad|><|vision_end|>Find x.[assistant]"
+    assert [r["prompt"] for r in kept[2:]] == ["[user]What is 2 + 2?[assistant]", "[user]Plain text?[assistant]"]
+    cfg["data"]["override_chat_template"] = str(tmp_path / "absent.jinja")
+    with pytest.raises(DataError, match="data.override_chat_template: no such file .*absent.jinja"):
+        filtered(cfg, tmp_path / "absent")
+
+
+def write_plain(folder: Path) -> Path:
+    """A format prompt that is the problem alone."""
+    (folder / "plain_format.jinja").write_text("{{ content }}")
+    return folder / "plain_format.jinja"

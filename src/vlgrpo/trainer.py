@@ -138,10 +138,14 @@ class GRPOTrainer:
 
     # --- data ------------------------------------------------------------------------------
     def batch_indices(self, step: int) -> list[int]:
-        """Rows of the filtered train split used at `step` (1-based): a pure function of (seed, step)."""
+        """Rows of the filtered train split used at `step` (1-based): a pure function of (seed, step).
+
+        data.shuffle: a permutation per epoch seeded by (data.seed or seed, epoch); else file order."""
         epoch, position = divmod(step - 1, self.steps_per_epoch)
-        generator = torch.Generator().manual_seed(sample_key(self.cfg["seed"], epoch))
-        order = torch.randperm(len(self.rows), generator=generator)
+        data = self.cfg["data"]
+        seed = self.cfg["seed"] if data["seed"] is None else data["seed"]
+        generator = torch.Generator().manual_seed(sample_key(seed, epoch))
+        order = torch.randperm(len(self.rows), generator=generator) if data["shuffle"] else torch.arange(len(self.rows))
         return order[position * self.batch_size : (position + 1) * self.batch_size].tolist()
 
     # --- state -----------------------------------------------------------------------------

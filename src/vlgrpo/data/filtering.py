@@ -36,7 +36,7 @@ from vlgrpo.data.images import (
     resize_image,
 )
 from vlgrpo.data.prompts import IMAGE_PLACEHOLDER, count_prompt_tokens, format_template, render_prompt
-from vlgrpo.data.sources import load_processor, load_split
+from vlgrpo.data.sources import load_processor, load_split, override_chat_template
 from vlgrpo.errors import DataError
 
 if TYPE_CHECKING:
@@ -272,6 +272,7 @@ def filter_split(
     batch_size = cfg["worker"]["rollout"]["batch_size"]
     # Fail on a bad model, template or source before any per-row work.
     processor = load_processor(cfg["model"]["path"])
+    override_chat_template(processor, data["override_chat_template"])
     settings = _FilterSettings(
         image_key=data["image_key"],
         image_dir=data["image_dir"],

@@ -193,6 +193,17 @@ def load_processor(model_path: str) -> ProcessorMixin:
     return processor
 
 
+def override_chat_template(processor: ProcessorMixin, template_file: str | None) -> None:
+    """Use the Jinja chat template in `template_file` (data.override_chat_template) for the
+    processor and its tokenizer, as EasyR1 sets both; None keeps the model's."""
+    if template_file is None:
+        return
+    path = Path(template_file).expanduser()
+    if not path.is_file():
+        raise DataError(f"data.override_chat_template: no such file {template_file}")
+    processor.chat_template = processor.tokenizer.chat_template = path.read_text(encoding="utf-8")
+
+
 def _load_error(model_path: str, e: Exception) -> DataError:
     trace = "".join(traceback.format_exception(e)).rstrip()
     return DataError(f"cannot load the processor from {model_path}: {type(e).__name__}: {e}\n{trace}")

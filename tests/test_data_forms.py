@@ -75,7 +75,7 @@ def test_parquet_json_jsonl_and_csv_files_and_folders_filter_to_identical_prompt
         results[suffix] = filtered(cfg_for(str(source), image_dir=str(images)), tmp_path / suffix[1:])
     stats, rows = results[".parquet"]
     assert stats["rows_kept"] == 3 and stats["kinds"] == {
-        "image": {"kept": 2, "dropped": {}}, "text": {"kept": 1, "dropped": {}}
+        "image": {"kept": 2, "dropped": {}}, "video": {"kept": 0, "dropped": {}}, "text": {"kept": 1, "dropped": {}}
     }
     assert [len(r["images"]) for r in rows] == [1, 1, 0]
     assert rows[0]["images"][0].size == (616, 420)  # 300x200 scaled up to 627x418 (min_pixels), snapped to 28
@@ -124,13 +124,19 @@ def test_missing_and_corrupt_image_files_are_dropped_naming_the_rows(tmp_path):
     rows = ROWS + [
         {"images": ["gone.png"], "problem": "<image>Find y.", "answer": "1"},
         {"images": ["bad.png"], "problem": "<image>Find z.", "answer": "2"},
+        {"images": [], "problem": "<video>What happens?", "answer": "3"},  # video: not trained yet
+        {"images": [], "videos": ["clip.mp4"], "problem": "What happens?", "answer": "3"},
     ]
     stats, kept = filtered(cfg_for(str(write_form(tmp_path / "r.jsonl", rows)), image_dir=str(images)), tmp_path / "o")
     assert [r["index"] for r in kept] == [0, 1, 2]
-    assert stats["dropped_rows"] == {"image_missing": [3], "image_undecodable": [4]}
-    assert stats["kinds"]["image"] == {"kept": 2, "dropped": {"image_missing": 1, "image_undecodable": 1}}
+    assert stats["dropped_rows"] == {"image_missing": [3], "image_undecodable": [4], "video_unsupported": [5, 6]}
+    assert stats["kinds"] == {
+        "image": {"kept": 2, "dropped": {"image_missing": 1, "image_undecodable": 1}},
+        "video": {"kept": 0, "dropped": {"video_unsupported": 2}},
+        "text": {"kept": 1, "dropped": {}},
+    }
     # A split where every row fails stops with the first error, naming the file it could not find.
-    source = write_form(tmp_path / "bad.jsonl", rows[3:])
+    source = write_form(tmp_path / "bad.jsonl", rows[3:5])
     with pytest.raises(DataError, match=r"(?s)0 of 2 rows kept.*row 0 \(image_missing\).*image file not found: .*gone.png"):
         filtered(cfg_for(str(source), image_dir=str(images)), tmp_path / "bad")
 

@@ -105,7 +105,7 @@ def mixed_experiment(demo_base, folder, overrides=None) -> dict:
     exp = config.experiment_dir(cfg)
     for split in ("train", "val"):
         stats = filter_split(cfg, split, paths.path(paths.FILTERED, exp, split=split), paths.path(paths.STATS, exp, split=split), workers=1)
-    assert stats["kinds"] == {"image": {"kept": 8, "dropped": {}}, "text": {"kept": 8, "dropped": {}}}
+    assert stats["kinds"] == {"image": {"kept": 8, "dropped": {}}, "video": {"kept": 0, "dropped": {}}, "text": {"kept": 8, "dropped": {}}}
     return cfg
 
 

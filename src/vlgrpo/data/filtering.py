@@ -56,8 +56,12 @@ DROP_REASONS = (
     "image_size_unsupported",
     "processor_error",
     "prompt_too_long",
+    "video_unsupported",
 )
-ROW_KINDS = ("image", "text")  # the stats count kept and dropped rows of each kind
+ROW_KINDS = ("image", "video", "text")
+# EasyR1's video placeholder and default video column: video rows are recognised and dropped, not
+# trained as text with a literal "<video>" in them (video is not supported yet).
+VIDEO_PLACEHOLDER, VIDEO_COLUMN = "<video>", "videos"  # the stats count kept and dropped rows of each kind
 DROPPED_ROWS_LISTED = 20  # source indices listed per reason in the stats, to trace drops
 
 
@@ -120,10 +124,13 @@ def _under_image_dir(value: Any, image_dir: str | None) -> Any:
 
 
 def _row_kind(row: dict[str, Any], s: _FilterSettings) -> str:
-    """'image' for a row with images or an image placeholder, else 'text' (the filter stats' kinds)."""
+    """'video' for a row with videos or a video placeholder, 'image' for one with images or an image
+    placeholder, else 'text' (the filter stats' kinds)."""
     problem = row.get(s.prompt_key)
-    has_placeholder = isinstance(problem, str) and IMAGE_PLACEHOLDER in problem
-    return "image" if has_placeholder or _as_image_list(row.get(s.image_key)) else "text"
+    problem = problem if isinstance(problem, str) else ""
+    if VIDEO_PLACEHOLDER in problem or _as_image_list(row.get(VIDEO_COLUMN)):
+        return "video"
+    return "image" if IMAGE_PLACEHOLDER in problem or _as_image_list(row.get(s.image_key)) else "text"
 
 
 def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSettings, verify: bool) -> dict[str, Any]:
@@ -205,6 +212,8 @@ def _filter_range(bounds: tuple[int, int]) -> list[tuple[int, str, dict | None, 
     for index, row in enumerate(rows, start):
         kind = _row_kind(row, settings)
         try:
+            if kind == "video":
+                raise _Dropped("video_unsupported", f"a {VIDEO_PLACEHOLDER!r} placeholder or {VIDEO_COLUMN!r}; video rows are not trained yet")
             # The first row of each range is checked against the full processor call.
             out.append((index, kind, _prepare_row(row, processor, settings, verify=index == start), None, "", ""))
         except _Dropped as d:

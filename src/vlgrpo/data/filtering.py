@@ -58,10 +58,10 @@ DROP_REASONS = (
     "prompt_too_long",
     "video_unsupported",
 )
-ROW_KINDS = ("image", "video", "text")
+ROW_KINDS = ("image", "video", "text")  # the stats count kept and dropped rows of each kind
 # EasyR1's video placeholder and default video column: video rows are recognised and dropped, not
 # trained as text with a literal "<video>" in them (video is not supported yet).
-VIDEO_PLACEHOLDER, VIDEO_COLUMN = "<video>", "videos"  # the stats count kept and dropped rows of each kind
+VIDEO_PLACEHOLDER, VIDEO_COLUMN = "<video>", "videos"
 DROPPED_ROWS_LISTED = 20  # source indices listed per reason in the stats, to trace drops
 
 

@@ -86,6 +86,21 @@ def test_vllm_generates_the_hf_engines_greedy_tokens_after_an_update(trainer):
 
 
 @needs_vllm
+def test_vllm_generates_the_hf_engines_greedy_tokens_on_a_mixed_batch(trainer):
+    """Text-only rows (no images, no multimodal data) beside image rows: vLLM's greedy tokens are hf's."""
+    from vlgrpo.data.prompts import render_prompt
+
+    text = [{"problem": p, "answer": "3", "images": [], "prompt": render_prompt(trainer.processor, p, "r1v")}
+            for p in ("How many sides does a triangle have?", "What is 2 + 2? Count them.")]
+    rows = [trainer.rows[0], text[0], trainer.rows[1], text[1]]
+    prompts = PromptBatch.from_processor(encode_prompts(trainer.processor, rows), [len(r["images"]) for r in rows],
+                                         [r["images"] for r in rows])
+    keys, greedy = torch.arange(4), SamplingParams(temperature=0, top_p=1.0, max_tokens=32)
+    hf = make_engine("hf", trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
+    assert same_rollout(trainer.engine.generate(prompts, keys, greedy, len(prompts)), hf)
+
+
+@needs_vllm
 def test_samples_follow_their_request_seeds(trainer):
     n = 4
     prompts = image_prompts(trainer, 3, n)

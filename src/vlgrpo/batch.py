@@ -33,20 +33,26 @@ class PromptBatch:
     attention_mask: torch.Tensor  # (N, P)
     mm_token_type_ids: torch.Tensor | None  # (N, P) 1 on image tokens (transformers 5), else None
     pixel_values: torch.Tensor | None  # (sum of patches over all images, D); None without images or where only the grids are kept
-    image_grid_thw: torch.Tensor | None  # (num images, 3)
+    image_grid_thw: torch.Tensor | None  # (num images, 3); (0, 3) for text-only rows
     num_images: torch.Tensor  # (N,) images of each row, in order; stays on the CPU
     prompt_ids: torch.Tensor  # (N,) the encoded prompt each row is a copy of (selects keep it); stays on the CPU
     images: list[list] | None = None  # (N,) each row's PIL images, for engines that process them themselves (vllm)
 
     @classmethod
     def from_processor(cls, enc, num_images: list[int], images: list[list] | None = None) -> "PromptBatch":
-        """Wrap the BatchFeature returned by a Qwen2.5-VL processor (left padding); images: the rows' images."""
+        """Wrap the BatchFeature returned by a Qwen2.5-VL processor (left padding); images: the rows' images.
+
+        Rows without images (text-only) may be any of them: a batch of them alone gets an empty grid,
+        so the model still computes each row's rope positions from its first real token, as a
+        text-only row in a batch with images gets them (and as EasyR1 gives them, row by row).
+        """
+        grid = enc.get("image_grid_thw")
         return cls(
             input_ids=enc["input_ids"],
             attention_mask=enc["attention_mask"],
             mm_token_type_ids=enc.get("mm_token_type_ids"),
             pixel_values=enc.get("pixel_values"),
-            image_grid_thw=enc.get("image_grid_thw"),
+            image_grid_thw=torch.zeros((0, 3), dtype=torch.long) if grid is None else grid,
             num_images=torch.tensor(num_images, dtype=torch.long),
             prompt_ids=torch.arange(len(num_images)),
             images=images,
@@ -84,6 +90,8 @@ class PromptBatch:
                     pixel_values = self.pixel_values[ranges[picked[0]][0] : ranges[picked[-1]][1]]
                 else:
                     pixel_values = torch.cat([self.pixel_values[slice(*ranges[r])] for r in picked])
+                if not len(pixel_values):  # text-only rows: the model takes no pixels rather than none of them
+                    pixel_values = None
             image_grid_thw = torch.cat([self.image_grid_thw[image_first[r] : image_first[r + 1]] for r in picked])
         return PromptBatch(
             input_ids=self.input_ids[rows, first:],

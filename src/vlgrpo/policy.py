@@ -245,7 +245,7 @@ def multimodal_index(model, host: PromptBatch, device: torch.device) -> tuple[to
         host.input_ids, mm_token_type_ids=host.mm_token_type_ids, image_grid_thw=host.image_grid_thw,
         attention_mask=host.attention_mask,
     )
-    tower = vision_index(model.model.visual, host.image_grid_thw)
+    tower = vision_index(model.model.visual, host.image_grid_thw) if len(host.image_grid_thw) else {}  # {}: text-only rows
     tower = {k: to_device(v, device) if torch.is_tensor(v) else v for k, v in tower.items()}
     return to_device(positions, device), to_device(deltas.view(-1), device), tower
 
@@ -256,9 +256,10 @@ def _multimodal_forward(model, prompts: PromptBatch, host: PromptBatch):
     base = model.model
     positions, deltas, tower = multimodal_index(model, host, prompts.input_ids.device)
     embeds = base.get_input_embeddings()(prompts.input_ids)
-    images = base.visual(prompts.pixel_values.type(base.visual.dtype), grid_thw=prompts.image_grid_thw, **tower).pooler_output
-    placeholders = (prompts.input_ids == base.config.image_token_id)[..., None]
-    embeds = embeds.masked_scatter(placeholders, images.to(embeds.dtype))
+    if tower:  # else text-only rows: no image features to place
+        images = base.visual(prompts.pixel_values.type(base.visual.dtype), grid_thw=prompts.image_grid_thw, **tower).pooler_output
+        placeholders = (prompts.input_ids == base.config.image_token_id)[..., None]
+        embeds = embeds.masked_scatter(placeholders, images.to(embeds.dtype))
     out = base.language_model(inputs_embeds=embeds, attention_mask=prompts.attention_mask, position_ids=positions, use_cache=True)
     return out, deltas
 

@@ -150,14 +150,20 @@ class GRPOTrainer:
         self.parts: list[list[list[int]]] = []  # per mini-batch, each rank's rows (set each step)
 
     # --- data ------------------------------------------------------------------------------
+    def data_seed(self) -> int:
+        """The seed of data order and tries: data.seed, or the run's seed when it is null (EasyR1's)."""
+        return self.cfg["seed"] if self.cfg["data"]["seed"] is None else self.cfg["data"]["seed"]
+
     def batch_indices(self, step: int, size: int | None = None) -> list[int]:
         """Rows of the filtered train split used at `step` (1-based): a pure function of (seed, step).
 
-        size: prompts per step (default rollout.batch_size); epochs hold len(rows) // size steps."""
+        size: prompts per step (default rollout.batch_size); epochs hold len(rows) // size steps.
+        data.shuffle: a permutation per epoch seeded by (data seed, epoch); else file order."""
         size = size or self.batch_size
         epoch, position = divmod(step - 1, len(self.rows) // size)
-        generator = torch.Generator().manual_seed(sample_key(self.cfg["seed"], epoch))
-        order = torch.randperm(len(self.rows), generator=generator)
+        generator = torch.Generator().manual_seed(sample_key(self.data_seed(), epoch))
+        shuffle = self.cfg["data"]["shuffle"]
+        order = torch.randperm(len(self.rows), generator=generator) if shuffle else torch.arange(len(self.rows))
         return order[position * size : (position + 1) * size].tolist()
 
     def try_indices(self, step: int, attempt: int) -> list[int]:
@@ -171,7 +177,7 @@ class GRPOTrainer:
         first = self.batch_indices(step, size)
         if attempt == 1:
             return first
-        generator = torch.Generator().manual_seed(sample_key(self.cfg["seed"], TRY_STREAM, step))
+        generator = torch.Generator().manual_seed(sample_key(self.data_seed(), TRY_STREAM, step))
         taken = set(first)
         rest = [i for i in torch.randperm(len(self.rows), generator=generator).tolist() if i not in taken]
         return rest[(attempt - 2) * size : (attempt - 1) * size]

@@ -7,7 +7,7 @@ EasyR1's rule (`images.model_image_size`). `filtering.filter_split` does this on
 stores prompt + sized images, so the trainer and the evaluator read the filtered parquet
 (`filtering.load_filtered` + `prompts.encode_prompts`) and never render or resize again.
 
-Modules: `sources` (rows from a hub id or parquet files; the model's processor), `images` (sizing,
+Modules: `sources` (rows from a hub id or parquet, json, jsonl or csv files; the model's processor), `images` (sizing,
 decoding), `prompts` (format template, chat rendering, token counts, model inputs), `filtering`
 (the filter stage, its stats and the reader of its output).
 """

@@ -8,6 +8,7 @@ with the top drop reasons and the first exception that dropped a row, and nothin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -35,7 +36,7 @@ from vlgrpo.data.images import (
     resize_image,
 )
 from vlgrpo.data.prompts import IMAGE_PLACEHOLDER, count_prompt_tokens, format_template, render_prompt
-from vlgrpo.data.sources import load_processor, load_split
+from vlgrpo.data.sources import load_processor, load_split, override_chat_template
 from vlgrpo.errors import DataError
 
 if TYPE_CHECKING:
@@ -55,7 +56,12 @@ DROP_REASONS = (
     "image_size_unsupported",
     "processor_error",
     "prompt_too_long",
+    "video_unsupported",
 )
+ROW_KINDS = ("image", "video", "text")  # the stats count kept and dropped rows of each kind
+# EasyR1's video placeholder and default video column: video rows are recognised and dropped, not
+# trained as text with a literal "<video>" in them (video is not supported yet).
+VIDEO_PLACEHOLDER, VIDEO_COLUMN = "<video>", "videos"
 DROPPED_ROWS_LISTED = 20  # source indices listed per reason in the stats, to trace drops
 # More undecodable images than this fraction of a split is a damaged source, not a few bad rows: the
 # filter warns (its log, the stats' "warnings", the workflow's last words and the report).
@@ -84,6 +90,8 @@ def output_schema() -> pa.Schema:
 @dataclass(frozen=True)
 class _FilterSettings:
     image_key: str
+    image_dir: str | None
+    has_image_column: bool
     prompt_key: str
     answer_key: str
     template: str
@@ -106,6 +114,28 @@ def _as_image_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+def _under_image_dir(value: Any, image_dir: str | None) -> Any:
+    """An image path (a string, or a {bytes: None, path} struct) joined to data.image_dir, as EasyR1
+    joins it (an absolute path stays as it is); bytes and images pass through."""
+    if image_dir is None:
+        return value
+    if isinstance(value, str):
+        return os.path.join(image_dir, value)
+    if isinstance(value, dict) and not value.get("bytes") and isinstance(value.get("path"), str):
+        return {**value, "path": os.path.join(image_dir, value["path"])}
+    return value
+
+
+def _row_kind(row: dict[str, Any], s: _FilterSettings) -> str:
+    """'video' for a row with videos or a video placeholder, 'image' for one with images or an image
+    placeholder, else 'text' (the filter stats' kinds)."""
+    problem = row.get(s.prompt_key)
+    problem = problem if isinstance(problem, str) else ""
+    if VIDEO_PLACEHOLDER in problem or _as_image_list(row.get(VIDEO_COLUMN)):
+        return "video"
+    return "image" if IMAGE_PLACEHOLDER in problem or _as_image_list(row.get(s.image_key)) else "text"
+
+
 def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSettings, verify: bool) -> dict[str, Any]:
     """The kept output row for one source row, or raise _Dropped with the reason.
 
@@ -117,11 +147,11 @@ def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSetti
         raise _Dropped("problem_empty")
     if answer is None or not str(answer).strip():
         raise _Dropped("answer_empty")
-    raw_images = _as_image_list(row[s.image_key])
-    if not raw_images:
-        raise _Dropped("image_missing")
+    raw_images = [_under_image_dir(v, s.image_dir) for v in _as_image_list(row.get(s.image_key))]
     placeholders = problem.count(IMAGE_PLACEHOLDER)
-    if placeholders == 0:
+    if not raw_images and placeholders:
+        raise _Dropped("image_missing")
+    if raw_images and placeholders == 0:
         raise _Dropped("no_image_placeholder")
     if placeholders > len(raw_images):
         raise _Dropped("more_placeholders_than_images", f"{placeholders} placeholders, {len(raw_images)} images")
@@ -139,16 +169,17 @@ def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSetti
             images.append(resize_image(image, s.min_pixels, s.max_pixels, s.processor_pixels))
         except ValueError as e:
             raise _Dropped("image_size_unsupported", str(e)) from e
-    prompt = render_prompt(processor, problem, s.template)
+    prompt = render_prompt(processor, problem, s.template, vision=s.has_image_column)
     try:
         prompt_length = count_prompt_tokens(processor, prompt, images)
-        full = processor(images=images, text=[prompt], add_special_tokens=False) if verify else None
+        full = processor(images=images or None, text=[prompt], add_special_tokens=False) if verify else None
     except ResizeMismatchError:
         raise  # a setup error, not a bad row
     except Exception as e:  # a row the processor rejects must not stop the whole split
         raise _Dropped("processor_error", f"{type(e).__name__}: {e}") from e
     if full is not None:
-        check_image_grid(images, full["image_grid_thw"])
+        if images:
+            check_image_grid(images, full["image_grid_thw"])
         if len(full["input_ids"][0]) != prompt_length:
             raise RuntimeError(f"counted {prompt_length} prompt tokens, the processor made {len(full['input_ids'][0])}")
     if s.drop_overlong and prompt_length > s.max_prompt_length:
@@ -174,20 +205,23 @@ def _init_worker() -> None:
     torch.set_num_threads(1)  # one process per core; also keeps OpenMP out of the forked child
 
 
-def _filter_range(bounds: tuple[int, int]) -> list[tuple[int, dict | None, str | None, str, str]]:
-    """(source index, kept row or None, drop reason or None, detail, traceback of the exception
-    that dropped the row or "") for rows [start, stop)."""
+def _filter_range(bounds: tuple[int, int]) -> list[tuple[int, str, dict | None, str | None, str, str]]:
+    """(source index, row kind, kept row or None, drop reason or None, detail, traceback of the
+    exception that dropped the row or "") for rows [start, stop)."""
     ds, processor, settings = _WORKER_STATE["ds"], _WORKER_STATE["processor"], _WORKER_STATE["settings"]
     start, stop = bounds
     rows = ds.with_format("arrow")[start:stop].to_pylist()  # raw image structs: we decode ourselves
     out = []
     for index, row in enumerate(rows, start):
+        kind = _row_kind(row, settings)
         try:
+            if kind == "video":
+                raise _Dropped("video_unsupported", f"a {VIDEO_PLACEHOLDER!r} placeholder or {VIDEO_COLUMN!r}; video rows are not trained yet")
             # The first row of each range is checked against the full processor call.
-            out.append((index, _prepare_row(row, processor, settings, verify=index == start), None, "", ""))
+            out.append((index, kind, _prepare_row(row, processor, settings, verify=index == start), None, "", ""))
         except _Dropped as d:
             trace = "".join(traceback.format_exception(d.__cause__)).rstrip() if d.__cause__ else ""
-            out.append((index, None, d.reason, str(d), trace))
+            out.append((index, kind, None, d.reason, str(d), trace))
     return out
 
 
@@ -250,8 +284,11 @@ def filter_split(
     batch_size = cfg["worker"]["rollout"]["batch_size"]
     # Fail on a bad model, template or source before any per-row work.
     processor = load_processor(cfg["model"]["path"])
+    override_chat_template(processor, data["override_chat_template"])
     settings = _FilterSettings(
         image_key=data["image_key"],
+        image_dir=data["image_dir"],
+        has_image_column=True,  # set from the loaded split below
         prompt_key=data["prompt_key"],
         answer_key=data["answer_key"],
         template=data["format_prompt"],
@@ -263,14 +300,17 @@ def filter_split(
     )
     format_template(settings.template)
     ds = load_split(data[split], settings.image_key, settings.prompt_key, settings.answer_key)
+    settings = dataclasses.replace(settings, has_image_column=settings.image_key in ds.column_names)
 
     kept: list[dict[str, Any]] = []
     dropped: Counter[str] = Counter()
     dropped_rows: dict[str, list[int]] = {}
     first_error = ""
-    for index, row, reason, detail, trace in _filter_rows(ds, processor, settings, workers or _default_workers()):
+    kinds = {kind: {"kept": 0, "dropped": Counter()} for kind in ROW_KINDS}
+    for index, kind, row, reason, detail, trace in _filter_rows(ds, processor, settings, workers or _default_workers()):
         if row is None:
             dropped[reason] += 1
+            kinds[kind]["dropped"][reason] += 1
             listed = dropped_rows.setdefault(reason, [])
             if len(listed) < DROPPED_ROWS_LISTED:
                 listed.append(index)
@@ -278,6 +318,7 @@ def filter_split(
                 first_error = f"row {index} ({reason}):\n{trace}"
             log.debug("%s row %d dropped: %s", data[split], index, detail)
         else:
+            kinds[kind]["kept"] += 1
             kept.append({"index": index, **row})
     needed = batch_size if split == "train" else 1
     if len(kept) < needed:
@@ -294,6 +335,7 @@ def filter_split(
         "rows_kept": len(kept),
         "dropped": {reason: dropped[reason] for reason in DROP_REASONS},
         "dropped_rows": dropped_rows,
+        "kinds": {kind: {"kept": k["kept"], "dropped": dict(k["dropped"])} for kind, k in kinds.items()},
         "prompt_length": token_stats([r["prompt_length"] for r in kept]),
         "image_tokens": token_stats([r["image_tokens"] for r in kept]),
         "max_prompt_length": settings.max_prompt_length,

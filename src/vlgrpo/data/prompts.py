@@ -63,9 +63,16 @@ def chat_messages(prompt: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": parts}]
 
 
-def render_prompt(processor: ProcessorMixin, problem: str, template: str) -> str:
+def render_prompt(processor: ProcessorMixin, problem: str, template: str, vision: bool = True) -> str:
     """The chat-template text the model is prompted with (the template's default system turn,
-    the user turn with vision placeholders, then the assistant generation prompt)."""
+    the user turn with vision placeholders, then the assistant generation prompt).
+
+    vision=False (a dataset without an image column): as EasyR1, the user turn is the plain text
+    through the tokenizer's chat template.
+    """
+    if not vision:
+        messages = [{"role": "user", "content": format_prompt(problem, template)}]
+        return processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     messages = chat_messages(format_prompt(problem, template))
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
@@ -102,7 +109,8 @@ def encode_prompts(
     """Left-padded model inputs for a batch of filtered rows (B rows, L = longest prompt).
 
     Returns input_ids and attention_mask (B, L), pixel_values (sum of h*w/196 patches, 1176),
-    image_grid_thw (n_images, 3), and mm_token_type_ids (B, L) where the processor makes them.
+    image_grid_thw (n_images, 3), and mm_token_type_ids (B, L) where the processor makes them;
+    rows may be text-only (no images): without any image there are no pixel_values or grids.
     device: where the image processor normalizes and patchifies the images (its torchvision
     backend moves each uint8 image there first): pixel_values come back on it, everything else
     stays on the CPU for host code (PromptBatch row slicing, the rope index). None: the CPU, as
@@ -112,16 +120,17 @@ def encode_prompts(
     """
     if not rows:
         raise ValueError("encode_prompts needs at least one row")
-    images = [row["images"] for row in rows]
-    decode_images([im for row_images in images for im in row_images])
+    images = [im for row in rows for im in row["images"]]  # in prompt order: the processor fills placeholders so
+    decode_images(images)
     inputs = processor(
         text=[row["prompt"] for row in rows],
-        images=images,
+        images=images or None,  # text-only rows have none
         padding=True,
         padding_side="left",
         add_special_tokens=False,
         return_tensors="pt",
         **({} if device is None else {"device": device}),
     )
-    check_image_grid([im for row_images in images for im in row_images], inputs["image_grid_thw"])
+    if images:
+        check_image_grid(images, inputs["image_grid_thw"])
     return inputs

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import logging
 import os
 import re
 import traceback
@@ -17,79 +19,103 @@ from vlgrpo.errors import DataError
 if TYPE_CHECKING:
     import datasets
 
+log = logging.getLogger(__name__)
+
 MODEL_TYPES = ("qwen2_5_vl",)
 
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 _HUB_SPLIT = re.compile(r"[\w.-]+(\[[^\]]*\])?")  # "train", "test[:100]"
+# File suffix -> the `datasets` builder that reads it, as EasyR1 picks it (jsonl is read as json).
+BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv"}
 
 
 def _looks_local(spec: str) -> bool:
     """A string shaped like a file path rather than a hub id ('name' or 'owner/name')."""
-    return spec.startswith(("/", "./", "../", "~")) or spec.endswith(".parquet") or spec.count("/") > 1
+    return spec.startswith(("/", "./", "../", "~")) or spec.endswith(tuple(BUILDERS)) or spec.count("/") > 1
 
 
-def _parse_source(spec: str) -> list[Path] | tuple[str, str]:
-    """Parquet files of a local file/folder spec, or (hub id, split) of 'owner/name@split'."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise DataError(f"bad data spec {spec!r}: expected 'owner/name@split' or a parquet file or folder")
-    path = Path(spec).expanduser()
+def _data_files(path: Path) -> tuple[str, list[Path]]:
+    """(builder, data files) of a local file or folder; a folder's files must be of one builder."""
     if path.is_file():
-        if path.suffix != ".parquet":
-            raise DataError(f"{spec}: not a .parquet file")
-        return [path]
-    if path.is_dir():
-        files = sorted(path.glob("*.parquet"))
-        if not files:
-            raise DataError(f"{spec}: folder holds no *.parquet files")
-        return files
-    if _looks_local(spec):
-        raise FileNotFoundError(f"data file or folder not found: {spec}")
-    name, at, split = spec.rpartition("@")
+        if path.suffix not in BUILDERS:
+            raise DataError(f"{path}: not a data file; expected one of {', '.join(BUILDERS)}")
+        return BUILDERS[path.suffix], [path]
+    files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix in BUILDERS)
+    builders = sorted({BUILDERS[f.suffix] for f in files})
+    if not files:
+        raise DataError(f"{path}: folder holds no data files ({', '.join('*' + s for s in BUILDERS)})")
+    if len(builders) > 1:
+        raise DataError(f"{path}: folder mixes data file types ({', '.join(builders)}); keep one type per folder")
+    return builders[0], files
+
+
+def _text_features(csv_file: Path):
+    """datasets Features reading every column of `csv_file`'s header as a string."""
+    import datasets
+
+    with open(csv_file, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    return datasets.Features({name: datasets.Value("string") for name in header})
+
+
+def _parse_source(spec: str) -> tuple[str, str, dict]:
+    """(builder or hub id, split, load_dataset keyword arguments) of a data spec.
+
+    As EasyR1: 'path@split' or 'owner/name@split'; a local path without '@' reads its 'train' split
+    (a file or a folder without split-named files is all 'train'); a folder is read by the builder of
+    its files' type with data_dir, so files named by split (train.jsonl, test.jsonl) are its splits.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise DataError(f"bad data spec {spec!r}: expected 'owner/name@split' or a local data file or folder")
+    name, at, split = spec.rpartition("@") if "@" in spec else (spec, "", "train")
+    path = Path(name).expanduser()
+    if path.exists():
+        if not _HUB_SPLIT.fullmatch(split):
+            raise DataError(f"bad data spec {spec!r}: {split!r} is not a split name ('train', 'test[:100]')")
+        builder, files = _data_files(path)
+        empty = [f for f in files if not f.read_bytes().strip()]
+        if empty:
+            raise DataError(f"{empty[0]}: no rows (the file is empty)")
+        location = {"data_files": str(path)} if path.is_file() else {"data_dir": str(path)}
+        if builder == "csv":  # cells as written: pandas would read an answer column of "3", "12.5" as 3.0, 12.5
+            location["features"] = _text_features(files[0])
+        return builder, split, location
+    if _looks_local(name):
+        raise FileNotFoundError(f"data file or folder not found: {name}")
     if not at or not _HUB_ID.fullmatch(name) or not _HUB_SPLIT.fullmatch(split):
         raise DataError(
             f"bad data spec {spec!r}: expected a hub id with a split ('hiyouga/geometry3k@train') "
-            "or an existing parquet file or folder"
+            f"or an existing data file or folder ({', '.join(BUILDERS)})"
         )
-    return name, split
-
-
-def _check_rows(spec: str, files: list[Path]) -> None:
-    """DataError naming the file(s) when the parquet files hold no rows at all, or one is no parquet file."""
-    import pyarrow.parquet as pq
-
-    rows = {}
-    for file in files:
-        try:
-            rows[file] = pq.ParquetFile(file).metadata.num_rows
-        except Exception as e:  # pyarrow's error says what is wrong with the bytes
-            raise DataError(f"{file}: not a readable parquet file ({type(e).__name__}: {e})") from None
-    if not any(rows.values()):
-        raise DataError(f"{spec}: no rows in {', '.join(map(str, files))} (the parquet file(s) hold columns but no data)")
+    return name, split, {}
 
 
 def load_split(spec: str, image_key: str, prompt_key: str, answer_key: str) -> datasets.Dataset:
-    """Load one split: 'owner/name@split' from the hub, or a local parquet file or folder of them.
+    """Load one split as EasyR1 does: 'owner/name@split' from the hub, or a local parquet, json,
+    jsonl or csv file or folder of them ('path@split' picks a split of a folder).
 
-    Raises FileNotFoundError for a missing local path and DataError for a bad spec, an unreadable
-    source, or a missing column (naming it and the columns there are).
+    Raises FileNotFoundError for a missing local path and DataError for a bad spec, an empty file or
+    split ("no rows"), an unreadable source, or a missing prompt or answer column (naming it and the
+    columns there are). The image column may be absent: the rows are then text-only.
     """
     import datasets  # here: training and evaluation load the processor from this module without it
 
-    source = _parse_source(spec)
-    if isinstance(source, list):
-        _check_rows(spec, source)
+    source, split, location = _parse_source(spec)
     try:
-        if isinstance(source, list):
-            ds = datasets.load_dataset("parquet", data_files=[str(f) for f in source], split="train")
-        else:
-            ds = datasets.load_dataset(source[0], split=source[1])
+        ds = datasets.load_dataset(source, split=split, **location)
     except Exception as e:  # any loader failure: say which spec and why
+        if "corresponds to no data" in str(e):  # datasets' words for a split of no rows (a header-only csv)
+            raise DataError(f"{spec}: no rows") from e
         raise DataError(f"cannot load data {spec!r}: {type(e).__name__}: {e}") from e
-    missing = [k for k in (image_key, prompt_key, answer_key) if k not in ds.column_names]
+    if len(ds) == 0:
+        raise DataError(f"{spec}: no rows")
+    if image_key not in ds.column_names:
+        log.info("%s: no %r column (data.image_key): its rows are text-only", spec, image_key)
+    missing = [k for k in (prompt_key, answer_key) if k not in ds.column_names]
     if missing:
         raise DataError(
             f"{spec}: missing column(s) {', '.join(map(repr, missing))}; the columns there are "
-            f"{', '.join(map(repr, ds.column_names))} (set data.image_key / prompt_key / answer_key)"
+            f"{', '.join(map(repr, ds.column_names))} (set data.prompt_key / answer_key)"
         )
     return ds
 
@@ -196,6 +222,17 @@ def load_processor(model_path: str) -> ProcessorMixin:
         raise DataError(f"{model_path}: image patch factor {factor} (patch_size * merge_size), expected {IMAGE_FACTOR}")
     processor.tokenizer.padding_side = "left"
     return processor
+
+
+def override_chat_template(processor: ProcessorMixin, template_file: str | None) -> None:
+    """Use the Jinja chat template in `template_file` (data.override_chat_template) for the
+    processor and its tokenizer, as EasyR1 sets both; None keeps the model's."""
+    if template_file is None:
+        return
+    path = Path(template_file).expanduser()
+    if not path.is_file():
+        raise DataError(f"data.override_chat_template: no such file {template_file}")
+    processor.chat_template = processor.tokenizer.chat_template = path.read_text(encoding="utf-8")
 
 
 def _load_error(model_path: str, e: Exception) -> DataError:

@@ -185,8 +185,10 @@ class VLLMEngine:
         for i in range(len(prompts)):
             ids = prompts.input_ids[i][prompts.attention_mask[i].bool()].tolist()
             expected.append(ids)
-            requests.append({"prompt_token_ids": _collapse_image_runs(ids, self.image_token),
-                             "multi_modal_data": {"image": list(prompts.images[i])}})
+            request = {"prompt_token_ids": _collapse_image_runs(ids, self.image_token)}
+            if prompts.images[i]:  # a text-only row has no multimodal data
+                request["multi_modal_data"] = {"image": list(prompts.images[i])}
+            requests.append(request)
         sampling = [
             vllm.SamplingParams(
                 n=1,

@@ -167,3 +167,19 @@ def test_two_steps_checkpoint_bitwise_resume_and_validation(family_experiment, t
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), model_type
     validated = json.loads(paths.path(paths.VAL_IN_PROCESS, config.experiment_dir(straight), step=2).read_text())
     assert validated["step"] == 2 and 0 <= validated["val/accuracy_reward"] <= 1
+
+
+@pytest.mark.parametrize("model_type", TRAINED)
+def test_bench_builds_random_weights_of_each_family_from_a_config_folder(model_type, tmp_path):
+    from vlgrpo import bench
+
+    if not (SHARED / families.FOLDERS[model_type]).exists():
+        pytest.skip(f"shared data absent: {families.FOLDERS[model_type]}")
+    folder = families.build(model_type, tmp_path / "model", weights=False)
+    cfg = config.load(ROOT / "config.yaml", overrides={"model": {"path": str(folder)}})
+    model, weights = bench.base_model(cfg, torch.device("cpu"))
+    assert weights == "random" and model.config.model_type == model_type
+    assert models.family_of_model(model).vision and models.vision_tower(model) is not None
+    assert models.text_model(model).config.hidden_size == families.HIDDEN
+    again, _ = bench.base_model(cfg, torch.device("cpu"))  # seeded: the same weights
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))

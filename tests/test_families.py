@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 
 import families
 from conftest import ROOT, SHARED, make_experiment, needs_shared
-from vlgrpo import config, models, paths
+from vlgrpo import bench, config, models, paths
 from vlgrpo.batch import PromptBatch
+from vlgrpo.checkpoint import CheckpointStore
 from vlgrpo.config import ConfigError
 from vlgrpo.data.filtering import filter_split
 from vlgrpo.data.images import image_factor, image_tokens, processor_pixel_bounds, resize_image
@@ -136,15 +137,13 @@ def test_generation_logprobs_equal_training_and_fast_paths_equal_plain(family_tr
         assert torch.allclose(static.logp, hf.logp, atol=1e-5)
 
 
-def _weights(cfg, step):
-    folder = trainer_store(cfg).model_dir(step)
-    return {k: v for f in sorted(folder.glob("model-*.safetensors")) for k, v in load_file(f).items()}
-
-
-def trainer_store(cfg):
-    from vlgrpo.checkpoint import CheckpointStore
-
+def _store(cfg):
     return CheckpointStore(paths.path(paths.CHECKPOINTS, config.experiment_dir(cfg)))
+
+
+def _weights(cfg, step):
+    folder = _store(cfg).model_dir(step)
+    return {k: v for f in sorted(folder.glob("model-*.safetensors")) for k, v in load_file(f).items()}
 
 
 def _deterministic(record):
@@ -159,7 +158,7 @@ def test_two_steps_checkpoint_bitwise_resume_and_validation(family_experiment, t
     halves = make_experiment(base, tmp_path / "halves", {"trainer": {"save_freq": 1}})
     for end in (1, 2):  # a checkpoint at step 1, then a resume from it
         run_segment(halves, end, paths.path(paths.MARKER, config.experiment_dir(halves), step=end))
-    assert trainer_store(halves).latest() == 2
+    assert _store(halves).latest() == 2
     records = [[_deterministic(r) for r in read_metrics(paths.path(paths.METRICS, config.experiment_dir(c)))]
                for c in (straight, halves)]
     assert [r["step"] for r in records[0]] == [1, 2] and records[1] == records[0]
@@ -171,8 +170,6 @@ def test_two_steps_checkpoint_bitwise_resume_and_validation(family_experiment, t
 
 @pytest.mark.parametrize("model_type", TRAINED)
 def test_bench_builds_random_weights_of_each_family_from_a_config_folder(model_type, tmp_path):
-    from vlgrpo import bench
-
     if not (SHARED / families.FOLDERS[model_type]).exists():
         pytest.skip(f"shared data absent: {families.FOLDERS[model_type]}")
     folder = families.build(model_type, tmp_path / "model", weights=False)

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from vlgrpo.batch import PromptBatch
-from vlgrpo.data.images import decode_image, processor_pixel_bounds, resize_image
+from vlgrpo.data.images import decode_image, image_factor, processor_pixel_bounds, resize_image
 from vlgrpo.data.prompts import encode_prompts, render_prompt
 from vlgrpo.data.sources import load_processor
 
@@ -30,7 +30,7 @@ PIXELS = 12544  # the demo's min = max pixels (112 x 112)
 def load(processor, folder: str, split: str, n: int) -> tuple[PromptBatch, torch.Tensor]:
     rows = pq.read_table(f"{folder}/{split}.parquet").slice(0, n).to_pylist()
     encoded = [{"prompt": render_prompt(processor, r["problem"], "r1v"),
-                "images": [resize_image(decode_image(r["images"][0]), PIXELS, PIXELS, processor_pixel_bounds(processor))]}
+                "images": [resize_image(decode_image(r["images"][0]), PIXELS, PIXELS, processor_pixel_bounds(processor), image_factor(processor))]}
                for r in rows]
     counts = torch.tensor([int(r["answer"]) // 180 - 1 for r in rows])
     return PromptBatch.from_processor(encode_prompts(processor, encoded), [1] * len(rows)), counts

@@ -197,7 +197,7 @@ def test_user_template_file_and_template_errors(tmp_path):
 def test_rendered_prompt_ids_equal_hand_written_chat(processor, train_table):
     problem = train_table.column("problem")[0].as_py()
     assert problem == "<image>$\\triangle RST \\cong \\triangle XYZ$. Find $y$."
-    image = resize_image(source_image(train_table, 0), MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS)
+    image = resize_image(source_image(train_table, 0), MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS, 28)
     assert image.size == (868, 448)  # 864x434 snapped to multiples of 28
     n_image_tokens = (448 // 28) * (868 // 28)
 
@@ -242,22 +242,22 @@ def easyr1_image_tokens(width: int, height: int) -> int:
 
 
 def test_model_image_size_is_easyr1_prescale_then_the_processors_snap():
-    assert model_image_size(864, 434, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS) == (868, 448)  # inside: snap only
+    assert model_image_size(864, 434, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS, 28) == (868, 448)  # inside: snap only
     # 545x480 after scaling up, just under min_pixels: rounded to 532x476 (253,232 px), not up to 560x504.
-    assert model_image_size(161, 142, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS) == (532, 476)
+    assert model_image_size(161, 142, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS, 28) == (532, 476)
     # 1382x379 after scaling down: rounded to 1372x392 (537,824 px, over max_pixels), not down to 1372x364.
-    assert model_image_size(1604, 440, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS) == (1372, 392)
+    assert model_image_size(1604, 440, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS, 28) == (1372, 392)
     for width, height in [(161, 142), (378, 250), (864, 434), (1604, 440), (666, 803), (31, 2000)]:
-        w, h = model_image_size(width, height, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS)
+        w, h = model_image_size(width, height, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS, 28)
         assert w % 28 == h % 28 == 0 and (w // 28) * (h // 28) == easyr1_image_tokens(width, height)
         # The processor's own smart_resize (and qwen-vl-utils') leave the result unchanged.
         assert qwen_vl_utils_smart_resize(h, w, 28, *QWEN_PIXELS) == (h, w)
     # The demo: 112-pixel images, min = max = 12544, a processor with those bounds.
-    assert model_image_size(112, 112, 12544, 12544, (12544, 12544)) == (112, 112)
+    assert model_image_size(112, 112, 12544, 12544, (12544, 12544), 28) == (112, 112)
     with pytest.raises(ValueError, match="aspect ratio"):
-        model_image_size(1, 300, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS)
+        model_image_size(1, 300, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS, 28)
     with pytest.raises(ValueError, match="would snap again"):  # min == max leaves no 28-multiple size for 3:4
-        model_image_size(300, 400, 12544, 12544, (12544, 12544))
+        model_image_size(300, 400, 12544, 12544, (12544, 12544), 28)
 
 
 @needs_shared
@@ -272,7 +272,7 @@ def test_image_tokens_per_image_equal_easyr1s_on_geometry3k(processor, split, ro
     assert pixels == QWEN_PIXELS
     ours, easyr1 = [], []
     for width, height in sizes:
-        w, h = model_image_size(width, height, MIN_PIXELS, MAX_PIXELS, pixels)
+        w, h = model_image_size(width, height, MIN_PIXELS, MAX_PIXELS, pixels, 28)
         ours.append(processor.image_processor.get_number_of_image_patches(h, w, {}) // 4)
         easyr1.append(easyr1_image_tokens(width, height))
     assert ours == easyr1
@@ -280,7 +280,7 @@ def test_image_tokens_per_image_equal_easyr1s_on_geometry3k(processor, split, ro
 
 
 def test_resize_image_resizes_then_converts_like_easyr1():
-    size = model_image_size(100, 80, 784, 784 * 16, QWEN_PIXELS)
+    size = model_image_size(100, 80, 784, 784 * 16, QWEN_PIXELS, 28)
     assert size == (112, 84)
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 256, (80, 100, 4), dtype=np.uint8)
@@ -288,11 +288,11 @@ def test_resize_image_resizes_then_converts_like_easyr1():
         if alpha is not None:
             pixels[..., 3] = alpha
         rgba = Image.fromarray(pixels, "RGBA")
-        out = resize_image(rgba, 784, 784 * 16, QWEN_PIXELS)
+        out = resize_image(rgba, 784, 784 * 16, QWEN_PIXELS, 28)
         assert out.mode == "RGB" and out.size == size
         assert np.array_equal(np.asarray(out), np.asarray(rgba.resize(size).convert("RGB")))
     palette = Image.new("P", (100, 80), 3)
-    assert resize_image(palette, 784, 784 * 16, QWEN_PIXELS).mode == "RGB"
+    assert resize_image(palette, 784, 784 * 16, QWEN_PIXELS, 28).mode == "RGB"
 
 
 @needs_shared
@@ -300,7 +300,7 @@ def test_resize_image_resizes_then_converts_like_easyr1():
 def test_image_tokens_equal_resized_area_over_28_squared(processor, train_table, row):
     source = source_image(train_table, row)
     assert source.size == SIZED_ROWS[row]
-    image = resize_image(source, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS)
+    image = resize_image(source, MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS, 28)
     w, h = image.size
     assert image.mode == "RGB" and w % 28 == 0 and h % 28 == 0
     assert (w // 28) * (h // 28) == easyr1_image_tokens(*source.size)
@@ -363,10 +363,13 @@ def test_model_path_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="model path not found"):
         load_processor(str(tmp_path / "no_model"))
     (tmp_path / "README.md").write_text("not a model")
-    with pytest.raises(DataError, match="not a Qwen2.5-VL model folder; missing config.json; an image processor"):
+    with pytest.raises(DataError, match="no config.json, so its model family is unknown .families: qwen2_vl, qwen2_5_vl"):
         load_processor(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(DataError, match="model_type 'llama', expected 'qwen2_5_vl'"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3"}))
+    with pytest.raises(DataError, match="model_type 'gemma3' is not supported; vlgrpo trains these families: qwen2_vl"):
+        check_model_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    with pytest.raises(DataError, match="not a Qwen3-VL model folder; missing an image processor"):
         check_model_folder(tmp_path)
 
 
@@ -433,7 +436,7 @@ def test_filter_split_writes_rendered_rows_and_stats(filtered, processor, train_
         assert row["prompt"] == render_prompt(processor, row["problem"], "r1v")
         (image,) = row["images"]
         assert image.mode == "RGB"
-        expected = resize_image(source_image(train_table, i), MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS)
+        expected = resize_image(source_image(train_table, i), MIN_PIXELS, MAX_PIXELS, QWEN_PIXELS, 28)
         assert np.array_equal(np.asarray(image), np.asarray(expected))
         assert tokens[i] == easyr1_image_tokens(*source_image(train_table, i).size)
         assert len(processor(images=[image], text=[row["prompt"]])["input_ids"][0]) == lengths[i]

@@ -238,7 +238,7 @@ def test_perception_warmup_makes_the_image_tokens_carry_the_figure(tmp_path):
     processor = build_processor(build_tokenizer({}, []), data["min_pixels"], data["max_pixels"])
     rows = make_rows(cfg["seed"], "test", 128, demo["image_size"])
     pixels = processor_pixel_bounds(processor)
-    images = [resize_image(decode_image(r["images"][0]), data["min_pixels"], data["max_pixels"], pixels) for r in rows]
+    images = [resize_image(decode_image(r["images"][0]), data["min_pixels"], data["max_pixels"], pixels, 28) for r in rows]
     counts = torch.tensor([int(r["answer"]) / 180 for r in rows], dtype=torch.float64)
     model = init_model(demo, processor.tokenizer, cfg["seed"])
     before = count_r2(model, processor, images, counts)
@@ -279,7 +279,7 @@ def test_model_folder_loads_like_qwen2_5_vl_and_generates_with_an_image(model_di
 
     rows = []
     for row in make_rows(cfg["seed"], "test", 2, cfg["demo"]["image_size"]):
-        image = resize_image(decode_image(row["images"][0]), data["min_pixels"], data["max_pixels"], processor_pixel_bounds(processor))
+        image = resize_image(decode_image(row["images"][0]), data["min_pixels"], data["max_pixels"], processor_pixel_bounds(processor), 28)
         rows.append({"prompt": render_prompt(processor, row["problem"], data["format_prompt"]), "images": [image]})
     inputs = encode_prompts(processor, rows)
     image_tokens = (inputs["input_ids"] == model.config.image_token_id).sum(-1)
@@ -346,7 +346,7 @@ def test_default_warmup_teaches_format_at_t1_leaves_greedy_at_chance_and_grounds
     encoded = [
         {
             "prompt": render_prompt(processor, row["problem"], data["format_prompt"]),
-            "images": [resize_image(decode_image(row["images"][0]), data["min_pixels"], data["max_pixels"], pixels)],
+            "images": [resize_image(decode_image(row["images"][0]), data["min_pixels"], data["max_pixels"], pixels, 28)],
         }
         for row in rows
     ]

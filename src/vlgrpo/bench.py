@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForImageTextToText
+from transformers import AutoConfig
 
 from vlgrpo import config as config_lib
-from vlgrpo import distributed, evaluate, metrics, paths
+from vlgrpo import distributed, evaluate, metrics, models, paths
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.filtering import filter_split, load_filtered
 from vlgrpo.data.prompts import encode_prompts
@@ -48,13 +48,15 @@ TARGETS = {"step_s": 15.0, "eval_s": 30.0}  # issue 7, on one H200 (printed for 
 
 
 def base_model(cfg: dict, device: torch.device):
-    """(model, 'loaded' | 'random'): the folder's weights, or random ones from its config."""
+    """(model, 'loaded' | 'random'): the folder's weights, or random ones from its config (any
+    supported family: models.model_class builds it)."""
     folder = Path(cfg["model"]["path"])
     if any(folder.glob("*.safetensors")) or any(folder.glob("*.bin")):
-        return load_model(folder, config_lib.for_device(cfg, device)["model"], device, trainable=True), "loaded"
+        resolved = config_lib.for_device(cfg, device, models.family_of(folder))
+        return load_model(folder, resolved["model"], device, trainable=True), "loaded"
     torch.manual_seed(cfg["seed"])
     with torch.device(device):
-        model = AutoModelForImageTextToText.from_config(
+        model = models.model_class(models.family_of(folder)).from_config(
             AutoConfig.from_pretrained(folder), dtype=DTYPES[cfg["model"]["dtype"]],
             attn_implementation=cfg["model"]["attn_implementation"],
         )
@@ -257,7 +259,9 @@ def main(argv=None) -> dict:
         "config": str(args.config),
         "weights": weights,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "rollout": {k: config_lib.for_device(cfg, device)["worker"]["rollout"][k] for k in ("batch_size", "n", "engine", "ignore_eos")}
+        "model_type": models.family_of(cfg["model"]["path"]).model_type,
+        "rollout": {k: config_lib.for_device(cfg, device, models.family_of(cfg["model"]["path"]))["worker"]["rollout"][k]
+                    for k in ("batch_size", "n", "engine", "ignore_eos")}
         | {"max_response_length": cfg["data"]["max_response_length"]},
         "matmul_tflops": measured,
         "peak_tflops": peak or measured,

@@ -195,7 +195,20 @@ def _refuse_unsupported_algorithms(cfg: dict) -> None:
         )
 
 
-_UNSUPPORTED = (_refuse_unsupported_multi_process, _refuse_unsupported_algorithms)
+def _refuse_unsupported_model(cfg: dict) -> None:
+    """A local model folder of a family vlgrpo cannot train stops here, at parse time (a hub id's
+    config is read where the model loads)."""
+    from vlgrpo import models
+    from vlgrpo.errors import DataError
+
+    if Path(cfg["model"]["path"]).expanduser().is_dir():
+        try:
+            models.family_of(cfg["model"]["path"])
+        except DataError as e:
+            raise ConfigError(f"'model.path': {e}") from None
+
+
+_UNSUPPORTED = (_refuse_unsupported_multi_process, _refuse_unsupported_algorithms, _refuse_unsupported_model)
 
 
 def processes(cfg: dict) -> int:
@@ -211,10 +224,12 @@ def _auto_keys(schema: dict, prefix: tuple = ()):
         yield from _auto_keys(sub, prefix + (key,))
 
 
-def for_device(cfg: dict, device) -> dict:
+def for_device(cfg: dict, device, family=None) -> dict:
     """A copy of resolved `cfg` with every `auto` switch set for `device` (a torch.device or its type):
     the schema's x-auto value for CUDA, or for anything else. Jobs call it once they know their device
-    (the resolved config keeps `auto`: the login node that writes it may have no GPU)."""
+    (the resolved config keeps `auto`: the login node that writes it may have no GPU).
+    family: the model's models.Family; the fast paths it cannot serve are turned off where `auto`
+    and refused where set (models.limit_fast_paths)."""
     kind = "cuda" if getattr(device, "type", device) == "cuda" else "other"
     out = copy.deepcopy(cfg)
     for path, values in _auto_keys(load_schema()):
@@ -226,6 +241,10 @@ def for_device(cfg: dict, device) -> dict:
     actor = cfg["worker"]["actor"]
     if actor["prefix_sharing"] == "auto" and out["model"]["gradient_checkpointing"]:
         out["worker"]["actor"]["prefix_sharing"] = False  # it needs the activations checkpointing drops
+    if family is not None:
+        from vlgrpo.models import limit_fast_paths
+
+        out = limit_fast_paths(cfg, out, family)
     return out
 
 

@@ -145,9 +145,11 @@ def shard(model, device: torch.device, offload: bool = False):
         "mp_policy": mixed,
         "offload_policy": CPUOffloadPolicy() if offload and device.type == "cuda" else OffloadPolicy(),
     }
-    for block in model.model.visual.blocks:
+    from vlgrpo.models import text_model, vision_tower
+
+    for block in getattr(vision_tower(model), "blocks", []):  # a text-only model has no tower
         fully_shard(block, **kwargs)
-    for layer in model.model.language_model.layers:
+    for layer in text_model(model).layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     # FSDP takes the first unit to run forward for the root; generate runs the vision tower before the

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from vlgrpo import config as config_lib
-from vlgrpo import atomic, distributed, metrics, paths, val_results
+from vlgrpo import atomic, distributed, metrics, models, paths, val_results
 from vlgrpo.checkpoint import CheckpointStore
 from vlgrpo.data.filtering import load_filtered
 from vlgrpo.data.sources import load_processor
@@ -76,7 +76,7 @@ def evaluate(cfg: dict, step: int, model=None, engine=None, in_process: bool = F
     exp = config_lib.experiment_dir(cfg)
     data, val = cfg["data"], cfg["worker"]["rollout"]["val_override_config"]
     device = model.device if model is not None else resolve_device(cfg["trainer"]["device"])  # a rank: its own GPU
-    cfg = config_lib.for_device(cfg, device)
+    cfg = config_lib.for_device(cfg, device, models.family_of(cfg["model"]["path"]))
     processor = load_processor(cfg["model"]["path"])
     rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))
     reward_fn = reward_from_config(cfg, [r["answer"] for r in rows[:8]])  # stops here if it breaks the contract

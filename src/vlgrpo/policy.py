@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers import AttentionInterface, AutoModelForImageTextToText, DynamicCache
+from transformers import AttentionInterface, DynamicCache
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
-from vlgrpo import distributed
+from vlgrpo import distributed, models
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.config import NO_CUDA, ConfigError
 
@@ -78,9 +78,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_pretrained(path: str | os.PathLike, model_cfg: dict, device: torch.device):
-    """A Qwen2.5-VL-style model from a hub id or folder (also a checkpoint's model/ folder), its
-    weights read straight onto `device`; not yet prepared (prepare_model)."""
-    return AutoModelForImageTextToText.from_pretrained(
+    """A model of a supported family (models.FAMILIES) from a hub id or folder (also a checkpoint's
+    model/ folder), its weights read straight onto `device`; not yet prepared (prepare_model)."""
+    return models.model_class(models.family_of(path)).from_pretrained(
         str(path),
         dtype=DTYPES[model_cfg["dtype"]],
         attn_implementation=model_cfg["attn_implementation"],
@@ -133,8 +133,10 @@ def aligned_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
 
 
 def set_aligned_vision_mlp(model, aligned: bool) -> None:
-    """Run the vision tower's gated MLPs through aligned_mlp where their width is not a multiple of 8."""
-    for module in model.model.visual.modules():
+    """Run the vision tower's gated MLPs through aligned_mlp where their width is not a multiple of 8
+    (Qwen2.5-VL's; other towers have none, and a text-only model no tower)."""
+    tower = models.vision_tower(model)
+    for module in tower.modules() if tower is not None else ():
         if all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
             if aligned and module.gate_proj.out_features % 8:
                 module.forward = types.MethodType(aligned_mlp, module)
@@ -150,8 +152,13 @@ def prepare_model(model, model_cfg: dict, device: torch.device, trainable: bool)
         raise ConfigError("model settings with 'auto' switches: resolve them with config.for_device first")
     model = model.to(device)
     model.eval()
-    vision = model.model.visual.config
-    vision._attn_implementation = PACKED_VISION_ATTENTION if model_cfg["packed_vision_attention"] else model_cfg["attn_implementation"]
+    family, tower = models.family_of_model(model), models.vision_tower(model)
+    if model_cfg["packed_vision_attention"] and not family.serves("model.packed_vision_attention"):
+        raise ConfigError(f"'model.packed_vision_attention' is true, which {family.title} cannot run: "
+                          f"{family.cannot['model.packed_vision_attention']}")
+    if tower is not None:
+        packed = model_cfg["packed_vision_attention"]
+        tower.config._attn_implementation = PACKED_VISION_ATTENTION if packed else model_cfg["attn_implementation"]
     set_fused_rms_norm(model, model_cfg["fused_rms_norm"])
     set_aligned_vision_mlp(model, model_cfg["aligned_vision_mlp"])
     if device.type == "cuda":  # process-wide (a torch switch); the static engine's captured decode step keeps cuDNN
@@ -162,7 +169,8 @@ def prepare_model(model, model_cfg: dict, device: torch.device, trainable: bool)
             model.config.use_cache = False
         else:
             model.gradient_checkpointing_disable()
-        model.model.visual.requires_grad_(not model_cfg["freeze_vision_tower"])
+        if tower is not None:
+            tower.requires_grad_(not model_cfg["freeze_vision_tower"])
     else:
         model.requires_grad_(False)
     return model
@@ -234,32 +242,36 @@ def vision_index(vision, grid: torch.Tensor) -> dict:
 
 
 def multimodal_index(model, host: PromptBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """What Qwen2.5-VL's forward derives from token ids and image grids, computed on the CPU.
+    """What a vision-language forward derives from token ids and image grids, computed on the CPU.
 
     The model's own get_rope_index and the vision tower's index helpers loop over rows and images
     with a host read each; on the GPU every read waits for the queue to drain. host: the batch on
     the CPU (pixel values not needed). Returns, on `device` (copies queued without waiting):
-    3-D rope position_ids (3, N, P), rope_deltas (N,) and the vision tower's keyword arguments.
+    3-D rope position_ids (3, N, P), rope_deltas (N,) and the vision tower's keyword arguments
+    (Qwen2.5-VL's windowed tower; {} for the other families, whose towers index themselves).
     """
     positions, deltas = model.model.get_rope_index(
         host.input_ids, mm_token_type_ids=host.mm_token_type_ids, image_grid_thw=host.image_grid_thw,
         attention_mask=host.attention_mask,
     )
-    tower = vision_index(model.model.visual, host.image_grid_thw) if len(host.image_grid_thw) else {}  # {}: text-only rows
+    tower = vision_index(model.model.visual, host.image_grid_thw) if models.family_of_model(model).window_vision and len(host.image_grid_thw) else {}  # {}: text-only rows
     tower = {k: to_device(v, device) if torch.is_tensor(v) else v for k, v in tower.items()}
     return to_device(positions, device), to_device(deltas.view(-1), device), tower
 
 
 def _multimodal_forward(model, prompts: PromptBatch, host: PromptBatch):
-    """Qwen2.5-VL's forward (embed, vision tower, image features into their placeholders, language
-    model) with the indices of multimodal_index passed in. Returns (language model output, rope_deltas)."""
+    """The vision-language forward with the indices of multimodal_index passed in. Returns
+    (language model output, rope_deltas). Qwen2.5-VL's is spelled out here (embed, vision tower,
+    image features into their placeholders, language model) to hand its tower the CPU index; the
+    other families run their own forward with the rope positions given (deepstack included)."""
     base = model.model
     positions, deltas, tower = multimodal_index(model, host, prompts.input_ids.device)
+    if not tower:
+        return base(**prompts.model_inputs(), position_ids=positions, use_cache=True), deltas
     embeds = base.get_input_embeddings()(prompts.input_ids)
-    if tower:  # else text-only rows: no image features to place
-        images = base.visual(prompts.pixel_values.type(base.visual.dtype), grid_thw=prompts.image_grid_thw, **tower).pooler_output
-        placeholders = (prompts.input_ids == base.config.image_token_id)[..., None]
-        embeds = embeds.masked_scatter(placeholders, images.to(embeds.dtype))
+    images = base.visual(prompts.pixel_values.type(base.visual.dtype), grid_thw=prompts.image_grid_thw, **tower).pooler_output
+    placeholders = (prompts.input_ids == base.config.image_token_id)[..., None]
+    embeds = embeds.masked_scatter(placeholders, images.to(embeds.dtype))
     out = base.language_model(inputs_embeds=embeds, attention_mask=prompts.attention_mask, position_ids=positions, use_cache=True)
     return out, deltas
 
@@ -290,12 +302,12 @@ def _shared_prefix_hidden(model, unique: PromptBatch, host: PromptBatch, source,
     """
     prefix = prefix_forward(model, unique, host)
     cache = DynamicCache(config=model.config)
-    for i in range(len(model.model.language_model.layers)):
+    lm = models.text_model(model)
+    for i in range(len(lm.layers)):
         layer = prefix.cache.layers[i]
         cache.update(layer.keys.index_select(0, source), layer.values.index_select(0, source), i)
     mask = torch.cat([prefix.attention_mask.index_select(0, source), response_mask], dim=1)
     positions = prefix.next_position.index_select(0, source)[:, None] + torch.arange(responses.shape[1], device=responses.device)
-    lm = model.model.language_model
     out = lm(
         input_ids=responses, attention_mask=mask, position_ids=positions[None].expand(3, -1, -1),
         use_cache=True, **{_cache_kwarg(lm): cache},

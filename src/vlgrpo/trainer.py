@@ -50,7 +50,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vlgrpo import config as config_lib
-from vlgrpo import atomic, distributed, estimators, evaluate, failures, grpo, locks, metrics, paths, plan, val_results
+from vlgrpo import atomic, distributed, estimators, evaluate, failures, grpo, locks, metrics, models, paths, plan, val_results
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.checkpoint import CheckpointStore, PendingSave, apply_retention
 from vlgrpo.data.filtering import load_filtered
@@ -125,7 +125,7 @@ class GRPOTrainer:
     def __init__(self, cfg: dict, heartbeat: Heartbeat | None = None):
         self.device = distributed.init(resolve_device(cfg["trainer"]["device"]))
         self.settings = cfg  # as config.resolved.yaml holds them (`auto` kept), which validations are keyed on
-        self.cfg = cfg = config_lib.for_device(cfg, self.device)
+        self.cfg = cfg = config_lib.for_device(cfg, self.device, models.family_of(cfg["model"]["path"]))
         self.exp_dir = config_lib.experiment_dir(cfg)
         self.heartbeat = heartbeat or Heartbeat(None)
         self.faults = Faults()

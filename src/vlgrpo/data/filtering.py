@@ -32,6 +32,7 @@ from vlgrpo.data.images import (
     image_tokens,
     open_rgb,
     png_struct,
+    image_factor,
     processor_pixel_bounds,
     resize_image,
 )
@@ -166,7 +167,7 @@ def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSetti
         except ValueError as e:
             raise _Dropped("image_undecodable", str(e)) from e
         try:
-            images.append(resize_image(image, s.min_pixels, s.max_pixels, s.processor_pixels))
+            images.append(resize_image(image, s.min_pixels, s.max_pixels, s.processor_pixels, image_factor(processor)))
         except ValueError as e:
             raise _Dropped("image_size_unsupported", str(e)) from e
     prompt = render_prompt(processor, problem, s.template, vision=s.has_image_column)
@@ -179,7 +180,7 @@ def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSetti
         raise _Dropped("processor_error", f"{type(e).__name__}: {e}") from e
     if full is not None:
         if images:
-            check_image_grid(images, full["image_grid_thw"])
+            check_image_grid(images, full["image_grid_thw"], processor.image_processor.patch_size)
         if len(full["input_ids"][0]) != prompt_length:
             raise RuntimeError(f"counted {prompt_length} prompt tokens, the processor made {len(full['input_ids'][0])}")
     if s.drop_overlong and prompt_length > s.max_prompt_length:
@@ -190,7 +191,7 @@ def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSetti
         "answer": str(answer),
         "prompt": prompt,
         "prompt_length": prompt_length,
-        "image_tokens": sum(image_tokens(im) for im in images),
+        "image_tokens": sum(image_tokens(im, image_factor(processor)) for im in images),
     }
 
 

@@ -1,15 +1,17 @@
-"""Image sizing for Qwen2.5-VL as EasyR1 does it, and the image plumbing around it.
+"""Image sizing for Qwen vision-language models as EasyR1 does it, and the image plumbing around it.
 
 EasyR1 (verl/utils/dataset.py, process_image) scales an image above max_pixels down and one below
 min_pixels up (int sizes, PIL's default filter), converts it to RGB, and hands it to a processor
 loaded with the model's own pixel bounds (preprocessor_config.json; 3136..12845056 for
-Qwen2.5-VL), whose smart_resize snaps each side to a multiple of 28 (14-pixel patches merged 2x2).
+Qwen2.5-VL), whose smart_resize snaps each side to a multiple of the image factor (patch_size x
+merge_size: 28 for Qwen2/2.5-VL's 14-pixel patches merged 2x2, 32 for Qwen3-VL/3.5's 16-pixel ones;
+`image_factor` reads it from the processor, models.Family says which a family needs).
 With those wide bounds the snap rounds each side to the nearest multiple, so the result may land a
 row or column outside [min_pixels, max_pixels]; that is EasyR1's prompt, so it is ours.
 
 `model_image_size` is that rule, the one place image sizes are decided; `resize_image` resizes once
 to its result, so the processor (the same bounds) leaves the image unchanged and an h x w image is
-(h/28)*(w/28) image tokens. One resize instead of EasyR1's two (PIL, then the processor's own) gives
+(h/factor)*(w/factor) image tokens. One resize instead of EasyR1's two (PIL, then the processor's own) gives
 the same size and so the same tokens; the pixels differ by resampling only.
 """
 
@@ -28,8 +30,6 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from vlgrpo.errors import VlgrpoError
 
-# Qwen2.5-VL: 14-pixel patches, merged 2x2 into one token, so sizes snap to multiples of 28.
-IMAGE_FACTOR = 28
 DECODE_THREADS = 8  # PNG decoding releases the GIL: threads run it in parallel
 
 
@@ -43,15 +43,20 @@ def processor_pixel_bounds(processor: ProcessorMixin) -> tuple[int, int]:
     return size.shortest_edge, size.longest_edge
 
 
+def image_factor(processor: ProcessorMixin) -> int:
+    """Pixels per image-token side: patch_size x merge_size of the processor's image processor."""
+    return processor.image_processor.patch_size * processor.image_processor.merge_size
+
+
 def model_image_size(
-    width: int, height: int, min_pixels: int, max_pixels: int, processor_pixels: tuple[int, int]
+    width: int, height: int, min_pixels: int, max_pixels: int, processor_pixels: tuple[int, int], factor: int
 ) -> tuple[int, int]:
     """(width, height) the model sees for an image of `width` x `height`, by EasyR1's rule.
 
     min_pixels, max_pixels: the configured bounds (data.min_pixels / max_pixels); the image is
     scaled into them by sqrt of the area ratio, each side truncated to int, down first, then up.
     processor_pixels: the processor's own (min, max) bounds (`processor_pixel_bounds`); the scaled
-    size is snapped to multiples of 28 with them, as EasyR1's processor does.
+    size is snapped to multiples of `factor` (image_factor) with them, as EasyR1's processor does.
     Raises ValueError for an aspect ratio over 200, a side that scales to 0, or a snapped size the
     processor would snap again (it would then resize an image that is already sized).
     """
@@ -64,8 +69,8 @@ def model_image_size(
     if min(width, height) < 1:
         raise ValueError(f"image of {width}x{height} pixels after scaling into [{min_pixels}, {max_pixels}]")
     low, high = processor_pixels
-    snapped_height, snapped_width = smart_resize(height, width, factor=IMAGE_FACTOR, min_pixels=low, max_pixels=high)
-    if smart_resize(snapped_height, snapped_width, factor=IMAGE_FACTOR, min_pixels=low, max_pixels=high) != (
+    snapped_height, snapped_width = smart_resize(height, width, factor=factor, min_pixels=low, max_pixels=high)
+    if smart_resize(snapped_height, snapped_width, factor=factor, min_pixels=low, max_pixels=high) != (
         snapped_height,
         snapped_width,
     ):
@@ -77,7 +82,7 @@ def model_image_size(
 
 
 def resize_image(
-    image: Image.Image, min_pixels: int, max_pixels: int, processor_pixels: tuple[int, int]
+    image: Image.Image, min_pixels: int, max_pixels: int, processor_pixels: tuple[int, int], factor: int
 ) -> Image.Image:
     """`image` resized to `model_image_size` and converted to RGB (see the module doc).
 
@@ -85,7 +90,7 @@ def resize_image(
     EasyR1 (alpha is dropped, not composited). An RGBA image with opaque alpha is converted first:
     the same pixels, resized faster.
     """
-    size = model_image_size(image.width, image.height, min_pixels, max_pixels, processor_pixels)
+    size = model_image_size(image.width, image.height, min_pixels, max_pixels, processor_pixels, factor)
     if image.mode == "RGBA" and image.getchannel("A").getextrema() == (255, 255):
         image = image.convert("RGB")
     if image.size != size:
@@ -93,9 +98,9 @@ def resize_image(
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def image_tokens(image: Image.Image) -> int:
-    """Image tokens of a sized image (sides multiples of 28): one per 28 x 28 pixels."""
-    return (image.width // IMAGE_FACTOR) * (image.height // IMAGE_FACTOR)
+def image_tokens(image: Image.Image, factor: int) -> int:
+    """Image tokens of a sized image (sides multiples of `factor`): one per factor x factor pixels."""
+    return (image.width // factor) * (image.height // factor)
 
 
 def decode_image(value: Any) -> Image.Image:
@@ -150,9 +155,8 @@ def decode_images(images: list[Image.Image]) -> None:
         list(pool.map(lambda image: image.load(), images))  # list(): a decoding error is raised here
 
 
-def check_image_grid(images: list[Image.Image], image_grid_thw) -> None:
-    """Raise if the processor resized an image: each grid must be (1, h/14, w/14) of the image."""
-    patch = IMAGE_FACTOR // 2
+def check_image_grid(images: list[Image.Image], image_grid_thw, patch: int) -> None:
+    """Raise if the processor resized an image: each grid must be (1, h/patch, w/patch) of the image."""
     expected = [[1, im.height // patch, im.width // patch] for im in images]
     got = [list(map(int, g)) for g in image_grid_thw]
     if got != expected:

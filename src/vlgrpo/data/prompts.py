@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 from transformers import BatchFeature, ProcessorMixin
 
-from vlgrpo.data.images import ResizeMismatchError, check_image_grid, decode_images, image_tokens
+from vlgrpo.data.images import ResizeMismatchError, check_image_grid, decode_images, image_factor, image_tokens
 from vlgrpo.errors import DataError
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -94,7 +94,7 @@ def count_prompt_tokens(processor: ProcessorMixin, prompt: str, images: list[Ima
         image_processor.get_number_of_image_patches(im.height, im.width, {}) // image_processor.merge_size**2
         for im in images
     ]
-    expected = [image_tokens(im) for im in images]
+    expected = [image_tokens(im, image_factor(processor)) for im in images]
     if per_image != expected:
         raise ResizeMismatchError(
             f"the processor would resize images (tokens {per_image}, expected {expected}): its pixel "
@@ -132,5 +132,5 @@ def encode_prompts(
         **({} if device is None else {"device": device}),
     )
     if images:
-        check_image_grid(images, inputs["image_grid_thw"])
+        check_image_grid(images, inputs["image_grid_thw"], processor.image_processor.patch_size)
     return inputs

@@ -13,15 +13,13 @@ from typing import TYPE_CHECKING
 
 from transformers import AutoProcessor, ProcessorMixin
 
-from vlgrpo.data.images import IMAGE_FACTOR
+from vlgrpo import models
 from vlgrpo.errors import DataError
 
 if TYPE_CHECKING:
     import datasets
 
 log = logging.getLogger(__name__)
-
-MODEL_TYPES = ("qwen2_5_vl",)
 
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 _HUB_SPLIT = re.compile(r"[\w.-]+(\[[^\]]*\])?")  # "train", "test[:100]"
@@ -128,7 +126,8 @@ def _json_has_key(path: Path, key: str) -> bool:
 
 
 def check_model_folder(folder: str | os.PathLike) -> None:
-    """Raise unless `folder` holds a Qwen2.5-VL config, image processor, tokenizer and chat template.
+    """Raise unless `folder` holds the config of a supported family (models.FAMILIES), its image
+    processor (vision-language families), tokenizer and chat template.
 
     Both layouts count: the released one (preprocessor_config.json, vocab.json + merges.txt or
     tokenizer.json, chat_template.json) and the one transformers 5 saves (processor_config.json with
@@ -139,18 +138,11 @@ def check_model_folder(folder: str | os.PathLike) -> None:
         raise FileNotFoundError(f"model path not found: {folder}")
     if not folder.is_dir():
         raise DataError(f"model path is not a folder: {folder}")
+    fam = models.family_of(folder)
     problems = []
-    config = folder / "config.json"
-    if not config.is_file():
-        problems.append("config.json")
-    else:
-        try:
-            model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            model_type = "<unreadable config.json>"
-        if model_type not in MODEL_TYPES:
-            problems.append(f"a Qwen2.5-VL config (config.json has model_type {model_type!r}, expected {MODEL_TYPES[0]!r})")
-    if not ((folder / "preprocessor_config.json").is_file() or _json_has_key(folder / "processor_config.json", "image_processor")):
+    if fam.vision and not (
+        (folder / "preprocessor_config.json").is_file() or _json_has_key(folder / "processor_config.json", "image_processor")
+    ):
         problems.append("an image processor config (preprocessor_config.json, or processor_config.json with 'image_processor')")
     if not ((folder / "tokenizer.json").is_file() or all((folder / f).is_file() for f in ("vocab.json", "merges.txt"))):
         problems.append("tokenizer files (tokenizer.json, or vocab.json + merges.txt)")
@@ -162,7 +154,7 @@ def check_model_folder(folder: str | os.PathLike) -> None:
     ):
         problems.append("a chat template (chat_template.jinja, chat_template.json, or 'chat_template' in tokenizer_config.json)")
     if problems:
-        raise DataError(f"{folder} is not a Qwen2.5-VL model folder; missing " + "; ".join(problems))
+        raise DataError(f"{folder} is not a {fam.title} model folder; missing " + "; ".join(problems))
 
 
 def check_hub_model(model_id: str) -> bool:
@@ -214,12 +206,17 @@ def load_processor(model_path: str) -> ProcessorMixin:
         if isinstance(e, OSError) and not local:
             raise DataError(f"model.path {model_path!r} is neither a local model folder nor a reachable hub id: {e}") from e
         raise _load_error(model_path, e) from e
+    fam = models.family_of(model_path)
+    if not fam.vision:  # a refusal to be deleted by the change that trains text rows
+        raise DataError(f"{model_path}: {fam.title} is a text-only family; this version trains vision-language "
+                        f"families only ({', '.join(k for k, f in models.FAMILIES.items() if f.vision)})")
     image_processor = getattr(processor, "image_processor", None)
     if image_processor is None or getattr(processor, "tokenizer", None) is None:
         raise DataError(f"{model_path}: loaded {type(processor).__name__}, not a vision-language processor")
     factor = image_processor.patch_size * image_processor.merge_size
-    if factor != IMAGE_FACTOR:
-        raise DataError(f"{model_path}: image patch factor {factor} (patch_size * merge_size), expected {IMAGE_FACTOR}")
+    if factor != fam.image_factor:
+        raise DataError(f"{model_path}: image patch factor {factor} (patch_size * merge_size), "
+                        f"expected {fam.image_factor} for {fam.title}")
     processor.tokenizer.padding_side = "left"
     return processor
 

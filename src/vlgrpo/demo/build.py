@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from vlgrpo import atomic
-from vlgrpo.data.images import decode_image, image_tokens, processor_pixel_bounds, resize_image
+from vlgrpo.data.images import decode_image, image_factor, image_tokens, processor_pixel_bounds, resize_image
 from vlgrpo.data.prompts import render_prompt
 from vlgrpo.demo.model import count_parameters, init_model
 from vlgrpo.demo.perception import warm_up_vision
@@ -55,7 +55,7 @@ def make_model(cfg: dict, out_dir: Path) -> dict:
     rows = [
         {
             "prompt": prompt,
-            "images": [resize_image(decode_image(image), data["min_pixels"], data["max_pixels"], pixels) for image in row["images"]],
+            "images": [resize_image(decode_image(image), data["min_pixels"], data["max_pixels"], pixels, image_factor(processor)) for image in row["images"]],
         }
         for prompt, row in zip(prompts, figures)
     ]
@@ -78,7 +78,7 @@ def make_model(cfg: dict, out_dir: Path) -> dict:
         "parameters": count_parameters(model),
         "tokenizer_size": len(processor.tokenizer),
         "image_size": [image.width, image.height],
-        "image_tokens_per_image": image_tokens(image),
+        "image_tokens_per_image": image_tokens(image, image_factor(processor)),
         "perception_warmup": perception,
         "warmup": warmup,
         "seconds": round(time.perf_counter() - start, 3),

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vlgrpo.data.images import IMAGE_FACTOR
+from vlgrpo.models import FAMILIES
 from vlgrpo.demo.fit import fit
 
+IMAGE_FACTOR = FAMILIES["qwen2_5_vl"].image_factor  # the demo's model is a tiny Qwen2.5-VL
 TARGETS_PER_TOKEN = 6  # R, G, B means and standard deviations, in [0, 1]
 
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
-from vlgrpo import distributed
+from vlgrpo import distributed, models
 from vlgrpo.batch import PromptBatch
 from vlgrpo.policy import fused_rms_norm, prefix_forward, prompt_runs
 from vlgrpo.rollout import SamplingParams
@@ -50,12 +50,14 @@ class _Decoder:
     """Static buffers and the decode step for `rows` sequences in a cache `width` positions wide."""
 
     def __init__(self, model, rows: int, width: int, max_tokens: int, params: SamplingParams, banned, eos_ids, pad_id):
-        lm = model.model.language_model
+        lm = models.text_model(model)
         text = lm.config
         self.layers, self.norm, self.embed, self.head = lm.layers, lm.norm, lm.embed_tokens, model.lm_head
         self.inv_freq, self.rope_scale = lm.rotary_emb.inv_freq, lm.rotary_emb.attention_scaling
         self.heads, self.kv_heads = text.num_attention_heads, text.num_key_value_heads
-        self.head_dim = text.hidden_size // text.num_attention_heads
+        # Qwen3's head_dim is its own config value (128 for Qwen3-VL-4B, not hidden / heads = 80).
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")  # Qwen3: RMSNorm per head before rope
         self.params, self.banned, self.eos, self.pad_id = params, banned, eos_ids, pad_id
         device, dtype = model.device, model.dtype
         shape = (len(self.layers), rows, self.kv_heads, width, self.head_dim)
@@ -88,6 +90,8 @@ class _Decoder:
             attn = layer.self_attn
             h = fused_rms_norm(layer.input_layernorm, x)
             q, k = attn.q_proj(h).view(rows, self.heads, self.head_dim), attn.k_proj(h).view(rows, self.kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = fused_rms_norm(attn.q_norm, q), fused_rms_norm(attn.k_norm, k)
             qk = torch.cat([q, k], dim=1)
             v = attn.v_proj(h).view(rows, self.kv_heads, self.head_dim)
             qk = qk * cos + _rotate_half(qk) * sin  # queries and keys rotated together: half the kernels

@@ -1,0 +1,83 @@
+"""Tiny random models of each family: the real config of ../shared/data/<folder> shrunk to a few
+layers of a few units (token ids, vocabulary, rope kind, deepstack, layer kinds kept), saved beside
+the real processor, tokenizer and chat template."""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from conftest import SHARED
+from vlgrpo import models
+
+# model_type -> the shared folder whose processor and config it starts from
+FOLDERS = {
+    "qwen2_vl": "qwen2_vl_2b",
+    "qwen2_5_vl": "qwen2_5_vl_7b",
+    "qwen3_vl": "qwen3_vl_4b",
+    "qwen3_vl_moe": "qwen3_vl_4b",
+    "qwen3_5": "qwen3_5_0_8b",
+}
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
+
+
+def _mrope_section(rope: dict, head_dim: int) -> list[int]:
+    """Sections (t, h, w) over the rotated half of a head, in the real config's proportions."""
+    half = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
+    return [half - 2 * (half // 3), half // 3, half // 3]
+
+
+def _shrink_text(text: dict) -> None:
+    layers = 4 if "layer_types" in text else 2  # Qwen3.5: three linear-attention layers and one full
+    text.update(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=HEADS,
+                num_key_value_heads=KV_HEADS, max_window_layers=layers)
+    if "head_dim" in text:
+        text["head_dim"] = HEAD_DIM
+    if "layer_types" in text:
+        text.update(layer_types=text["layer_types"][:layers], linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_num_key_heads=2, linear_num_value_heads=4, mtp_num_hidden_layers=0)
+    for key in ("rope_scaling", "rope_parameters"):
+        if text.get(key) and "mrope_section" in text[key]:
+            text[key]["mrope_section"] = _mrope_section(text[key], HEAD_DIM)
+
+
+def tiny_config(model_type: str) -> dict:
+    """The shrunk config.json of `model_type` (from its shared folder's real one)."""
+    config = json.loads((SHARED / FOLDERS[model_type] / "config.json").read_text())
+    if model_type == "qwen3_vl_moe":  # Qwen3-VL-30B-A3B's layout on Qwen3-VL-4B's tokens
+        config.update(model_type="qwen3_vl_moe", architectures=["Qwen3VLMoeForConditionalGeneration"])
+        config["text_config"].update(model_type="qwen3_vl_moe_text", **MOE)
+        config["vision_config"]["model_type"] = "qwen3_vl_moe"
+    text = config.get("text_config", config)
+    _shrink_text(text)
+    vision = config["vision_config"]
+    vision.update(depth=2, num_heads=2)
+    if "embed_dim" in vision:  # Qwen2-VL: embed_dim is the tower's width, hidden_size its output
+        vision.update(embed_dim=32, hidden_size=HIDDEN)
+    else:
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=HIDDEN)
+    if "fullatt_block_indexes" in vision:
+        vision["fullatt_block_indexes"] = [1]
+    if vision.get("deepstack_visual_indexes"):
+        vision["deepstack_visual_indexes"] = [0]
+    return config
+
+
+def build(model_type: str, folder: Path, seed: int = 0, weights: bool = True) -> Path:
+    """A folder holding the tiny `model_type` config, the real processor files and (weights) random
+    float32 weights drawn with `seed`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in (SHARED / FOLDERS[model_type]).iterdir():
+        if f.name not in ("config.json", "SOURCE.md", "LICENSE", "NOTICE"):
+            shutil.copy(f, folder / f.name)
+    (folder / "config.json").write_text(json.dumps(tiny_config(model_type)))
+    if weights:
+        from transformers import AutoConfig
+
+        torch.manual_seed(seed)
+        fam = models.family(model_type)
+        model = models.model_class(fam).from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+        model.save_pretrained(folder)
+    return folder

@@ -18,6 +18,7 @@ CHECKPOINTS = "{exp}/checkpoints"
 METRICS = "{exp}/metrics.jsonl"
 WANDB_RUN_ID = "{exp}/wandb_run_id"
 REPORT = "{exp}/report"
+MERGED = "{exp}/export/step_{step}"  # LoRA: base + adapters merged, a from_pretrained folder
 
 
 def step_str(step: int) -> str:

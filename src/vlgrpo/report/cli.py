@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from vlgrpo.config import ConfigError, read_resolved
@@ -55,6 +56,12 @@ def options_from_config(path: Path) -> dict:
     }
 
 
+def lora_of(exp_dir: Path) -> dict | None:
+    """The LoRA settings and parameter counts the newest segment marker records (None: full fine-tuning)."""
+    markers = sorted((exp_dir / "segments").glob("step_*.json"))
+    return json.loads(markers[-1].read_text()).get("lora") if markers else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -70,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             options = options_from_config(config) if args.config or config.is_file() else {}
             options.setdefault("title", args.experiment_dir.resolve().name)
             records = read_experiment(args.experiment_dir)
+            options["lora"] = lora_of(args.experiment_dir)
             source = f"vlgrpo experiment {args.experiment_dir}" + (f", config {config}" if config.is_file() else "")
             validation_in_step = False
         else:

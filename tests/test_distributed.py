@@ -135,6 +135,30 @@ def test_two_processes_train_as_one_and_checkpoints_resume_on_either_count(demo_
 
 
 @pytest.mark.slow
+def test_two_processes_train_lora_adapters_as_one(demo_base, tmp_path):
+    """LoRA under FSDP2: 3 steps on 2 processes == 3 steps on 1 (metrics, adapter weights and their
+    optimizer state, written by each rank's rows into peft's adapter file); the policy with its
+    adapters off is the reference on every rank."""
+    from safetensors.torch import load_file
+
+    lora = config.deep_merge(OVERRIDES, {"worker": {"actor": {"model": {"lora": {"rank": 8, "alpha": 16}},
+                                                               "optim": {"lr": 1.0e-2}}}})
+    one = make_experiment(demo_base, tmp_path / "one", lora)
+    two = make_experiment(demo_base, tmp_path / "two", lora)
+    train(one, 3, 1)
+    train(two, 3, 2)
+    assert_close_records(records(two), records(one))
+    files = [{f.relative_to(s.path(3)): load_file(f) for f in s.path(3).rglob("*.safetensors")}
+             for s in (CheckpointStore(paths.path(paths.CHECKPOINTS, config.experiment_dir(c))) for c in (one, two))]
+    assert set(files[0]) == set(files[1]) and Path("model/adapter_model.safetensors") in files[0]
+    for f in files[0]:
+        assert_close_weights({k: v for k, v in files[1][f].items() if k != "rng/torch"},
+                             {k: v for k, v in files[0][f].items() if k != "rng/torch"})
+    adapters = files[0][Path("model/adapter_model.safetensors")]
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapters.items())  # they learned
+
+
+@pytest.mark.slow
 def test_a_rank_that_dies_fails_the_job_and_the_retry_finishes_the_same(demo_base, tmp_path):
     """`vlgrpo train` (the rule's command) on 2 CPU processes: rank 1 killed inside step 3 fails the
     job; the retry resumes from checkpoint 1 and ends where an uninterrupted run ends."""

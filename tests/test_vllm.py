@@ -101,6 +101,42 @@ def test_vllm_generates_the_hf_engines_greedy_tokens_on_a_mixed_batch(trainer):
 
 
 @needs_vllm
+def test_vllm_serves_the_policys_lora_adapters(demo_base, tmp_path):
+    """With LoRA (no adapters on the vision tower, as vLLM needs) vLLM generates the hf engine's greedy
+    tokens with the adapters active, before and after an update that moves them (vLLM's LoRA requests)."""
+    from vlgrpo.trainer import GRPOTrainer
+
+    cfg = make_experiment(demo_base, tmp_path, {"worker": {"rollout": VLLM, "actor": {
+        "optim": {"lr": 5e-2}, "model": {"lora": {"rank": 8, "alpha": 16, "exclude_modules": ".*visual.*"}}}}})
+    lora_trainer = GRPOTrainer(cfg)
+    lora_trainer.load(0)
+    prompts, keys = image_prompts(lora_trainer, 4, 1), torch.arange(4)
+    greedy = SamplingParams(temperature=0, top_p=1.0, max_tokens=32)
+
+    def hf():
+        return make_engine("hf", lora_trainer.policy, lora_trainer.processor).generate(prompts, keys, greedy, len(prompts))
+
+    before_hf = hf()
+    assert same_rollout(lora_trainer.engine.generate(prompts, keys, greedy, len(prompts)), before_hf)
+    group = image_prompts(lora_trainer, 2, 4)
+    sampled = lora_trainer.engine.generate(group, torch.arange(8), SamplingParams(1.0, 1.0, 24), len(group))
+    old = lora_trainer._logprobs(lora_trainer.policy, group, sampled.responses, sampled.response_mask, 8)
+    lora_trainer.update_actor(1, group, sampled, old, None, torch.full((8,), -1.0))
+    after_hf = hf()
+    assert not torch.equal(after_hf.responses, before_hf.responses)
+    assert same_rollout(lora_trainer.engine.generate(prompts, keys, greedy, len(prompts)), after_hf)
+
+
+@needs_vllm
+def test_vllm_refuses_adapters_on_the_vision_tower(demo_base, tmp_path):
+    from vlgrpo.trainer import GRPOTrainer
+
+    cfg = make_experiment(demo_base, tmp_path, {"worker": {"rollout": VLLM, "actor": {"model": {"lora": {"rank": 8}}}}})
+    with pytest.raises(VlgrpoError, match="exclude_modules"):
+        GRPOTrainer(cfg).load(0)
+
+
+@needs_vllm
 def test_samples_follow_their_request_seeds(trainer):
     n = 4
     prompts = image_prompts(trainer, 3, n)

@@ -24,6 +24,7 @@ import gc
 import json
 import logging
 import platform
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -232,6 +233,18 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def checkpoint_cost(trainer: GRPOTrainer, step: int) -> dict:
+    """Save checkpoint `step` as a segment does (in the foreground here), then remove it: seconds and bytes
+    (model/: the weights, or a LoRA run's adapters; optim/: the optimizer state)."""
+    start = time.perf_counter()
+    folder = trainer.save(step, "bench").result()
+    seconds = time.perf_counter() - start
+    sizes = {part: sum(f.stat().st_size for f in (folder / part).rglob("*") if f.is_file()) for part in ("model", "optim")}
+    shutil.rmtree(folder)
+    (trainer.store.root / "latest.json").unlink(missing_ok=True)
+    return {"save_s": seconds, "model_bytes": sizes["model"], "optim_bytes": sizes["optim"]}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="vlgrpo bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="an experiment config, e.g. configs/bench_h200.yaml")
@@ -242,6 +255,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--plain", default="configs/plain.yaml", help="the overlay that makes the plain path")
     parser.add_argument("--eval", action=argparse.BooleanOptionalAction, default=True, help="time the evaluator")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="also save a checkpoint after the measured steps (seconds, bytes; removed after)")
     args = parser.parse_args(argv)
     logging.getLogger("vlgrpo.trainer").setLevel(logging.DEBUG)  # each phase's seconds as it ends
     overrides = config_lib.parse_assignments(args.set)
@@ -280,6 +295,10 @@ def main(argv=None) -> dict:
     for step in range(1, first):
         trainer.step(step)
     result.update(run_steps(trainer, range(first, first + args.steps), device, result["peak_tflops"]))
+    if trainer.lora_info:
+        result["lora"] = trainer.lora_info
+    if args.checkpoint:
+        result["checkpoint"] = checkpoint_cost(trainer, first + args.steps - 1)
     write()
     if trainer.cfg["worker"]["rollout"]["engine"] != "hf":
         result["greedy_vs_hf"] = greedy_check(trainer)

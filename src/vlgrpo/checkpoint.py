@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from vlgrpo import atomic, console, distributed, paths, plan
+from vlgrpo import atomic, console, distributed, lora, paths, plan
 from vlgrpo.config import experiment_dir
 from vlgrpo.errors import VlgrpoError
 
@@ -334,6 +334,8 @@ def _groups(tensors: dict[str, torch.Tensor], count: int) -> list[list[tuple[str
 def model_tensors(model) -> dict[str, torch.Tensor]:
     """The model's saved tensors by name (DTensors when FSDP2 shards it: the parameters themselves);
     tied aliases (lm_head = embeddings) left out, as save_pretrained does."""
+    if lora.has_adapters(model):  # the adapters only, under peft's names; the base model is referenced
+        return lora.adapter_tensors(model)
     unique = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     return {k: v for k, v in get_model_state_dict(model).items() if k in unique}
 
@@ -471,7 +473,7 @@ class CheckpointStore:
         tmp = self.root / f".tmp_{step_dir_name(step)}"
         weights = model_tensors(model)
         tensors, meta = _optimizer_tensors(optimizer_state(model, optimizer))
-        files = self._files(weights, tensors)
+        files = self._files(weights, tensors, lora.has_adapters(model))
         layouts = {f: _layout(group) for f, group in files.items()}  # (header, tensor offsets, size) of each
         if distributed.is_rank0():
             self._stage(tmp, step, model, processor, weights, meta, state, files, layouts)
@@ -510,14 +512,17 @@ class CheckpointStore:
             torch.cuda.synchronize(device)  # the writers' streams see the caller's last updates
         return PendingSave(write, publish, publish_behind=not dist.is_initialized())
 
-    def _files(self, weights: dict, tensors: dict) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    def _files(self, weights: dict, tensors: dict, adapters: bool = False) -> dict[str, list[tuple[str, torch.Tensor]]]:
         """{relative path: [(name, tensor)]} of the tensor files, as rank 0 groups them (every rank must
-        lay the files out alike, and the writer threads may differ between nodes)."""
+        lay the files out alike, and the writer threads may differ between nodes). adapters: the model's
+        tensors are LoRA adapters, in one file named as peft names it."""
         names = None
         if distributed.is_rank0():
             names = {}
-            for prefix, part in (("model/model", weights), ("optim/optim", tensors)):
-                groups = _groups(part, self.threads)
+            if adapters:
+                names[lora.ADAPTER_FILE] = sorted(weights)
+            for prefix, part in (("model/model", {} if adapters else weights), ("optim/optim", tensors)):
+                groups = _groups(part, self.threads) if part else []
                 for i, group in enumerate(groups):
                     names[f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors"] = [name for name, _ in group]
         every = {**weights, **tensors}
@@ -530,14 +535,18 @@ class CheckpointStore:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "model").mkdir(parents=True)
         (tmp / "optim").mkdir()
-        for part in (getattr(model, "config", None), getattr(model, "generation_config", None), processor):
+        adapters = lora.has_adapters(model)
+        for part in (processor,) if adapters else (getattr(model, "config", None), getattr(model, "generation_config", None), processor):
             if part is not None:  # a Hugging Face model and processor: the folder loads with from_pretrained
                 part.save_pretrained(tmp / "model")
         atomic.write_json(tmp / "optim" / OPTIM_JSON, meta)
         atomic.write_json(tmp / STATE, {**state, "step": step})
-        index = {"metadata": {"total_size": sum(t.nbytes for t in weights.values())},
-                 "weight_map": {name: Path(f).name for f, group in files.items() if f.startswith("model/") for name, _ in group}}
-        atomic.write_json(tmp / "model" / "model.safetensors.index.json", index)
+        if adapters:  # a peft adapter folder (PeftModel.from_pretrained on the base model it names)
+            lora.write_adapter_folder(model, tmp / "model")
+        else:
+            index = {"metadata": {"total_size": sum(t.nbytes for t in weights.values())},
+                     "weight_map": {name: Path(f).name for f, group in files.items() if f.startswith("model/") for name, _ in group}}
+            atomic.write_json(tmp / "model" / "model.safetensors.index.json", index)
         for f, (head, _, size) in layouts.items():
             with open(tmp / f, "wb") as out:
                 out.write(head)
@@ -599,6 +608,8 @@ class CheckpointStore:
         for name in manifest:
             if not name.endswith(".safetensors"):
                 self._small_file(step, name, manifest)  # config, processor, index, optim.json: small
+        if lora.has_adapters(model):  # adapters of another base model are refused by name (not a corrupt checkpoint)
+            lora.check_base(self.model_dir(step), model.peft_config[lora.ADAPTER].base_model_name_or_path)
         model_targets = {k: v.detach() for k, v in model_tensors(model).items()}
         meta = json.loads((self.path(step) / "optim" / OPTIM_JSON).read_text()) if optimizer is not None else {}
         params = dict(model.named_parameters())

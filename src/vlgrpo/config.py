@@ -126,8 +126,22 @@ def _coerce_strings(node, schema: dict):
     return node
 
 
+# Keys an older vlgrpo had under another name: refused with the key that replaced them.
+RENAMED = {("worker", "actor", "lora_rank"): "worker.actor.model.lora.rank"}
+
+
+def _refuse_renamed(cfg: dict) -> None:
+    for path, new in RENAMED.items():
+        node = cfg
+        for part in path[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and path[-1] in node:
+            raise ConfigError(f"'{'.'.join(path)}' is no longer a key: set '{new}' instead (0 = full fine-tuning)")
+
+
 def validate(cfg: dict) -> dict:
     """Return a deep copy of `cfg` with defaults filled in; raise ConfigError naming every bad key."""
+    _refuse_renamed(cfg)
     cfg = _coerce_strings(copy.deepcopy(cfg), load_schema())
     _refuse_old_kl_type(cfg)
     errors = sorted(_Validator(load_schema()).iter_errors(cfg), key=lambda e: list(e.absolute_path))

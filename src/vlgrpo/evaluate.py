@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from vlgrpo import config as config_lib
-from vlgrpo import atomic, distributed, metrics, models, paths, val_results
+from vlgrpo import atomic, distributed, lora, metrics, models, paths, val_results
 from vlgrpo.checkpoint import CheckpointStore
 from vlgrpo.data.filtering import load_filtered
 from vlgrpo.data.sources import load_processor
@@ -50,7 +50,7 @@ def model_path_for(cfg: dict, step: int) -> str:
     if step == 0:
         return cfg["model"]["path"]
     folder = checkpoint_model_dir(cfg, step)
-    if not (folder / "config.json").is_file():
+    if not (folder / "config.json").is_file() and not lora.is_adapter_folder(folder):
         raise FileNotFoundError(
             f"no model weights for step {step} at {folder}: the checkpoint was never written or its "
             f"weights were removed after validation (trainer.keep_validated_weights: false)"
@@ -81,7 +81,9 @@ def evaluate(cfg: dict, step: int, model=None, engine=None, in_process: bool = F
     rows = load_filtered(paths.path(paths.FILTERED, exp, split="val"))
     reward_fn = reward_from_config(cfg, [r["answer"] for r in rows[:8]])  # stops here if it breaks the contract
     if model is None:
-        model = load_model(model_path_for(cfg, step), cfg["model"], device, trainable=False)
+        folder = model_path_for(cfg, step)
+        model = lora.load_with_adapters(Path(folder), cfg["model"], device) if step and lora.is_adapter_folder(Path(folder)) \
+            else load_model(folder, cfg["model"], device, trainable=False)
     rollout = cfg["worker"]["rollout"]
     engine = engine or make_engine(rollout["engine"], model, processor, rollout["cuda_graph"], cfg)
 

@@ -29,6 +29,7 @@ MLFLOW_RUN_ID = "{exp}/mlflow_run_id"
 SWANLAB = "{exp}/swanlab"
 SWANLAB_RUN_ID = "{exp}/swanlab_run_id"
 REPORT = "{exp}/report"
+MERGED = "{exp}/export/step_{step}"  # LoRA: base + adapters merged, a from_pretrained folder
 
 
 def step_str(step: int) -> str:

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface, DynamicCache
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
-from vlgrpo import distributed, models
+from vlgrpo import distributed, lora, models
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.config import NO_CUDA, ConfigError
 
@@ -169,7 +169,9 @@ def prepare_model(model, model_cfg: dict, device: torch.device, trainable: bool)
             model.config.use_cache = False
         else:
             model.gradient_checkpointing_disable()
-        if tower is not None:
+        if lora.has_adapters(model):  # only the adapters train (worker.actor.model.lora)
+            lora.set_trainable(model, model_cfg["freeze_vision_tower"])
+        elif tower is not None:
             tower.requires_grad_(not model_cfg["freeze_vision_tower"])
     else:
         model.requires_grad_(False)

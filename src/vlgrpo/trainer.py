@@ -50,7 +50,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vlgrpo import config as config_lib
-from vlgrpo import atomic, distributed, estimators, evaluate, failures, grpo, locks, metrics, models, paths, plan, val_results
+from vlgrpo import atomic, distributed, estimators, evaluate, failures, grpo, locks, lora, metrics, models, paths, plan, val_results
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.checkpoint import CheckpointStore, PendingSave, apply_retention
 from vlgrpo.data.filtering import load_filtered
@@ -137,6 +137,7 @@ class GRPOTrainer:
         self.reward_fn = reward_from_config(cfg, [r["answer"] for r in self.rows[:8]])  # stops here if it breaks the contract
         self.store = CheckpointStore(paths.path(paths.CHECKPOINTS, self.exp_dir))
         self.policy = self.ref = self.optimizer = self.engine = None
+        self.lora_info: dict | None = None
         self.forward = ForwardOptions.from_config(cfg)
         self.nonfinite_in_a_row = 0
         algorithm = cfg["algorithm"]
@@ -193,9 +194,17 @@ class GRPOTrainer:
         # Under torchrun (even with one rank: the path a GPU run compares with one process) both are sharded.
         shard = (lambda m: distributed.shard(m, self.device, self.cfg["trainer"]["fsdp_cpu_offload"])) \
             if distributed.launched() else (lambda m: m)
-        if self.kl_mode is not None:  # KL as a loss or in the reward (kl_coef 0 still logs it, as EasyR1)
+        kl = self.kl_mode is not None  # KL as a loss or in the reward (kl_coef 0 still logs it, as EasyR1)
+        if kl and not lora.enabled(self.cfg):
             self.ref = shard(prepare_model(copy.deepcopy(base), model_cfg, self.device, trainable=False))
+        if lora.enabled(self.cfg):
+            base = lora.add_adapters(base, self.cfg)
         self.policy = shard(prepare_model(base, model_cfg, self.device, trainable=True))
+        if kl and lora.enabled(self.cfg):
+            self.ref = self.policy  # with its adapters disabled (step): the base model, no second copy
+        if lora.enabled(self.cfg):  # the report states these (the segment's marker carries them)
+            self.lora_info = {**lora.settings(self.cfg), **lora.counts(self.policy)}
+            log.info("LoRA: %s", self.lora_info)
         self.optimizer = build_optimizer(self.cfg, self.policy)
 
     def _make_engine(self) -> None:
@@ -389,7 +398,8 @@ class GRPOTrainer:
         ref_logp = None
         if self.ref is not None:
             with timer(timing, "ref"):
-                ref_logp = self._logprobs(self.ref, prompts, out.responses, out.response_mask, micro)
+                with lora.adapters_disabled(self.ref):  # LoRA: the policy without its adapters
+                    ref_logp = self._logprobs(self.ref, prompts, out.responses, out.response_mask, micro)
         with timer(timing, "reward"):
             scores, reward_errors = grading.result()
             overall = torch.tensor([s["overall"] for s in scores], dtype=torch.float32)
@@ -592,6 +602,10 @@ def _run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | 
         with timer(times, "save_checkpoint"):
             saving.result()
         times["save_checkpoint_behind"] = saving.seconds
+        if rank0 and lora.enabled(trainer.cfg) and (end_step == trainer.total_steps or cfg["trainer"]["export_merged"]):
+            with timer(times, "export_merged"):  # the final step's (or every, on request) merged model
+                lora.export_merged(trainer.cfg["model"], trainer.store.model_dir(end_step),
+                                   paths.path(paths.MERGED, trainer.exp_dir, step=end_step), trainer.processor)
         if rank0:
             parts = {} if validation is None else {f"validation_{k.split('/')[1]}": validation[k] for k in
                                                    ("timing_s/encode", "timing_s/generation", "timing_s/scoring")}
@@ -612,6 +626,7 @@ def _run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | 
         "reward_sha256": reward_file_digest(cfg["worker"]["reward"]["reward_function"]),  # a later run tells a change
         "metrics": summary,
         "validated_in_process": validation is not None,
+        **({"lora": trainer.lora_info} if trainer.lora_info else {}),
         "timing_s": times,
         "job_start": job_start,
         "job_end": time.time(),

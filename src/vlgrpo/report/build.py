@@ -39,6 +39,7 @@ def build_report(
     validation_in_step: bool = False,
     source: str = "",
     warnings: list[str] | None = None,
+    lora: dict | None = None,
 ) -> dict:
     """Write report.html, summary.json and FIGURES into out_dir; return the summary.
 
@@ -46,11 +47,14 @@ def build_report(
     the run used. n_gpus: GPUs behind perf/throughput; None infers it from perf/ metrics.
     validation_in_step: True when timing_s/step of a validated step already includes its
     validation (EasyR1), False when validation ran as a separate job (ours). warnings: about the
-    run's inputs (the filter's), shown first and kept in summary["warnings"].
+    run's inputs (the filter's), shown first and kept in summary["warnings"]. lora: the LoRA settings
+    and parameter counts of a LoRA run (a segment marker's `lora`), stated in the report.
     """
     frame = merge_records(records)
     n_gpus = n_gpus or A.infer_n_gpus(frame)
     summary = A.summarize(frame, max_grad_norm=max_grad_norm, validation_in_step=validation_in_step, n_gpus=n_gpus)
+    if lora:  # LoRA settings and the trainable fraction (lora: a segment marker's `lora`)
+        summary["lora"] = lora
     context = FigureContext(
         max_grad_norm=max_grad_norm,
         validation_in_step=validation_in_step,

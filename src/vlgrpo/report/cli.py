@@ -64,6 +64,12 @@ def input_warnings(exp_dir: Path) -> list[str]:
     return out
 
 
+def lora_of(exp_dir: Path) -> dict | None:
+    """The LoRA settings and parameter counts the newest segment marker records (None: full fine-tuning)."""
+    markers = sorted((exp_dir / "segments").glob("step_*.json"))
+    return json.loads(markers[-1].read_text()).get("lora") if markers else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -79,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             options = options_from_config(config) if args.config or config.is_file() else {}
             options.setdefault("title", args.experiment_dir.resolve().name)
             records = read_experiment(args.experiment_dir)
+            options["lora"] = lora_of(args.experiment_dir)
             source = f"vlgrpo experiment {args.experiment_dir}" + (f", config {config}" if config.is_file() else "")
             validation_in_step = False
             options["warnings"] = input_warnings(args.experiment_dir)

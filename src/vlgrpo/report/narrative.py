@@ -215,6 +215,16 @@ def efficiency_section(frame: pd.DataFrame, summary: dict, *, validation_in_step
     return Section("Efficiency", items)
 
 
+def lora_section(lora: dict) -> Section:
+    """What trained when the run trained LoRA adapters (a segment marker's `lora`)."""
+    targets = lora["target_modules"] + (f", except modules matching {lora['exclude_modules']}" if lora["exclude_modules"] else "")
+    return Section("LoRA", [
+        f"LoRA adapters of rank {lora['rank']} (alpha {lora['alpha']:g}, scale {lora['alpha'] / lora['rank']:g}) on {targets}.",
+        f"Trainable: {lora['trainable_params']:,} of {lora['total_params']:,} parameters "
+        f"({pct(lora['trainable_fraction'], 2)}); the reference model is the base model (adapters off).",
+    ])
+
+
 def narrative(
     frame: pd.DataFrame, summary: dict, *, max_grad_norm: float, validation_in_step: bool, n_gpus: int | None
 ) -> list[Section]:
@@ -225,4 +235,4 @@ def narrative(
         stability_section(frame, summary, max_grad_norm=max_grad_norm),
         length_section(frame, summary),
         efficiency_section(frame, summary, validation_in_step=validation_in_step, n_gpus=n_gpus),
-    ]
+    ] + ([lora_section(summary["lora"])] if summary.get("lora") else [])

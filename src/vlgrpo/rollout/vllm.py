@@ -14,7 +14,8 @@ processor, given the same pixel bounds, leaves at their size; every rollout chec
 expanded prompt equals ours token for token. Each row is one request with its own seed, the row's
 32-bit key (sampling.sample_key of seed, step, prompt, sample), so a sample depends on its key only.
 vLLM samples with its own generator: the same keys give other tokens than the hf engine's keyed
-sampling (greedy decoding gives the same tokens). Vision placeholders and ids past the tokenizer are
+sampling (greedy decoding gives the same tokens). With LoRA, vLLM serves the base model and the policy's
+adapters through its LoRA support (enable_lora; a LoRA request per rollout). Vision placeholders and ids past the tokenizer are
 never sampled (as in HFEngine), EOS ends a response and counts in it.
 Install: envs/make_vllm_env.sh (its own venv; README "Rollouts with vLLM"); make_engine says so
 when vLLM is missing.
@@ -23,12 +24,15 @@ when vLLM is missing.
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import torch
 import vllm
 from transformers import AutoTokenizer
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
+from vlgrpo import lora
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.images import processor_pixel_bounds
 from vlgrpo.errors import VlgrpoError
@@ -79,6 +83,17 @@ def _repack_kept_cpu_weights(worker) -> None:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds adapters of `rank`."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise VLLMError(f"worker.actor.model.lora.rank {rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+    return fits[0]
+
+
 def kv_cache_bytes(text_config, dtype: torch.dtype, sequences: int, tokens: int) -> int:
     """Bytes of keys and values for `sequences` sequences of `tokens` tokens each (all layers)."""
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
@@ -114,6 +129,18 @@ class VLLMEngine:
         # On a GPU vLLM takes gpu_memory_utilization of the device. On the CPU its fraction would count
         # this process's training memory (which grows after the engine starts): the KV cache is sized
         # for one rollout instead, every sequence at full length.
+        # LoRA (worker.actor.model.lora): vLLM serves the base model with the policy's adapters, pushed
+        # as a peft folder before every rollout (vLLM's LoRA support; it has none for the vision tower)
+        self.lora_rank = lora.settings(cfg)["rank"] if lora.has_adapters(model) else 0
+        if self.lora_rank:
+            tower = sorted(n for n, _ in model.model.visual.named_parameters() if lora.is_adapter(n))
+            if tower:
+                raise VLLMError(
+                    f"worker.rollout.engine vllm: vLLM has no LoRA for the vision tower, which has adapters ({tower[0]}, ...); "
+                    "set worker.actor.model.lora.exclude_modules: '.*visual.*' (EasyR1's example config does)"
+                )
+            self._lora_dir = tempfile.TemporaryDirectory(prefix="vlgrpo_lora_")
+            self._lora_request, self._lora_id = None, 0
         kv_bytes = None if self.sleeps else kv_cache_bytes(
             model.config.get_text_config(), model.dtype, rollout["batch_size"] * rollout["n"], max_model_len
         )
@@ -140,6 +167,7 @@ class VLLMEngine:
                 generation_config="vllm",  # not generation_config.json's defaults (repetition_penalty 1.05)
                 logprobs_mode="processed_logprobs",  # after temperature, as HFEngine's log-probs
                 logits_processors=[BanTokens],
+                **({"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_lora_rank(self.lora_rank)} if self.lora_rank else {}),
             )
         except (ValueError, RuntimeError) as e:
             if "memory" in str(e).lower():
@@ -149,12 +177,36 @@ class VLLMEngine:
                           "of max_prompt_length + max_response_length tokens)")
                 raise VLLMError(f"vLLM could not reserve its memory with {wanted}: {e}") from e
             raise
+        # level 2 drops the weights (the policy's are pushed at every wake); with LoRA the base weights stay (level 1: host memory)
+        self.sleep_level = 1 if self.lora_rank else 2
         if self.sleeps:
-            self.llm.sleep(level=2)  # training has the memory until the first rollout
+            self.llm.sleep(level=self.sleep_level)  # training has the memory until the first rollout
         self.asleep = self.sleeps
+
+    def push_adapters(self) -> int:
+        """Write the policy's current adapters as a peft folder and name it in a new LoRA request (a new id:
+        vLLM loads it afresh); the base weights in vLLM are model.path's, as the policy's. Drops the caches."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        folder = Path(self._lora_dir.name)
+        tensors = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().contiguous()
+                   for k, v in lora.adapter_tensors(self.model).items()}
+        save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        self.model.peft_config[lora.ADAPTER].save_pretrained(str(folder))
+        self._lora_id += 1
+        self._lora_request = LoRARequest(f"policy_{self._lora_id}", self._lora_id, str(folder))
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.reset_encoder_cache()
+        return len(tensors)
 
     def push_weights(self) -> int:
         """Copy the policy's current parameters into vLLM's model; drop caches computed with older ones."""
+        if self.lora_rank:
+            return self.push_adapters()
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         in_process = self.llm.llm_engine.vllm_config.parallel_config.world_size == 1 or "WORLD_SIZE" in os.environ
@@ -206,10 +258,11 @@ class VLLMEngine:
             for key in keys.tolist()
         ]
         try:
-            outputs = self.llm.generate(requests, sampling, use_tqdm=progress)
+            outputs = self.llm.generate(requests, sampling, use_tqdm=progress,
+                                        lora_request=self._lora_request if self.lora_rank else None)
         finally:
             if self.sleeps:
-                self.llm.sleep(level=2)
+                self.llm.sleep(level=self.sleep_level)
                 self.asleep = True
         responses = torch.full((len(prompts), params.max_tokens), self.pad_id, dtype=torch.long)
         logp = torch.zeros(len(prompts), params.max_tokens)

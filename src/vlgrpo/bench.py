@@ -97,16 +97,19 @@ def forward_flops(model_config, prompt_tokens: list[int], image_patches: list[in
     prompt_tokens, image_patches: per prompt; n samples per prompt; response_tokens: mean per sample.
     Text: 2 x linear params per token, causal attention 2 x S^2 x heads x head_dim per layer, the LM
     head on response positions. Vision: 2 x linear params per patch, windowed attention over
-    `window` patches (full attention in fullatt blocks), the 2x2 merger.
+    `window` patches (full attention in fullatt blocks; every block where the tower has no windows),
+    the 2x2 merger. Every text layer counts as dense softmax attention (linear-attention and MoE
+    layers are counted as such).
     """
     t, v = model_config.text_config, model_config.vision_config
-    d = t.hidden_size // t.num_attention_heads
+    d = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
     text_linear = t.num_hidden_layers * (2 * t.hidden_size * t.num_attention_heads * d
                                          + 2 * t.hidden_size * t.num_key_value_heads * d + 3 * t.hidden_size * t.intermediate_size)
     attn = 2 * t.num_hidden_layers * t.num_attention_heads * d  # x S^2 (causal)
     vision_linear = v.depth * (4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size)
-    window = (v.window_size // v.patch_size) ** 2
-    full_layers = len(v.fullatt_block_indexes)
+    window_size = getattr(v, "window_size", None)  # Qwen2.5-VL's windowed tower; the others attend over whole images
+    window = (window_size // v.patch_size) ** 2 if window_size else 0
+    full_layers = len(v.fullatt_block_indexes) if window_size else v.depth
     merger = 4 * v.hidden_size * (4 * v.hidden_size + v.out_hidden_size) / 4  # params per patch
     total = 0.0
     for p, patches in zip(prompt_tokens, image_patches):

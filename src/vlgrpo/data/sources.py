@@ -74,6 +74,8 @@ def _parse_source(spec: str) -> tuple[str, str, dict]:
         empty = [f for f in files if not f.read_bytes().strip()]
         if empty:
             raise DataError(f"{empty[0]}: no rows (the file is empty)")
+        if builder == "parquet" and not sum(_parquet_rows(f) for f in files):  # datasets fails on them unclearly
+            raise DataError(f"{spec}: no rows in {', '.join(map(str, files))} (the parquet file(s) hold columns but no data)")
         location = {"data_files": str(path)} if path.is_file() else {"data_dir": str(path)}
         if builder == "csv":  # cells as written: pandas would read an answer column of "3", "12.5" as 3.0, 12.5
             location["features"] = _text_features(files[0])
@@ -86,6 +88,15 @@ def _parse_source(spec: str) -> tuple[str, str, dict]:
             f"or an existing data file or folder ({', '.join(BUILDERS)})"
         )
     return name, split, {}
+
+
+def _parquet_rows(file: Path) -> int:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(file).metadata.num_rows
+    except Exception as e:  # pyarrow's error says what is wrong with the bytes
+        raise DataError(f"{file}: not a readable parquet file ({type(e).__name__}: {e})") from None
 
 
 def load_split(spec: str, image_key: str, prompt_key: str, answer_key: str) -> datasets.Dataset:

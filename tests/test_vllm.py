@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import make_experiment
-from vlgrpo import config
+from vlgrpo import config, lora
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.prompts import encode_prompts
 from vlgrpo.errors import VlgrpoError
@@ -75,7 +75,8 @@ def test_vllm_generates_the_hf_engines_greedy_tokens_after_an_update(trainer):
     group = image_prompts(trainer, 2, 4)
     sampled = trainer.engine.generate(group, torch.arange(8), SamplingParams(1.0, 1.0, 24), len(group))
     old = trainer._logprobs(trainer.policy, group, sampled.responses, sampled.response_mask, 8)
-    update = trainer.update_actor(1, group, sampled, old, None, torch.full((8,), -1.0))
+    ref = trainer._logprobs(trainer.ref, group, sampled.responses, sampled.response_mask, 8)  # the KL loss's
+    update = trainer.update_actor(1, group, sampled, old, ref, torch.full((8,), -1.0))
     assert update["actor/nonfinite_skipped"] == 0
     after_hf = hf()
     assert not torch.equal(after_hf.responses, before_hf.responses)  # the update changed the policy's answers
@@ -121,7 +122,9 @@ def test_vllm_serves_the_policys_lora_adapters(demo_base, tmp_path):
     group = image_prompts(lora_trainer, 2, 4)
     sampled = lora_trainer.engine.generate(group, torch.arange(8), SamplingParams(1.0, 1.0, 24), len(group))
     old = lora_trainer._logprobs(lora_trainer.policy, group, sampled.responses, sampled.response_mask, 8)
-    lora_trainer.update_actor(1, group, sampled, old, None, torch.full((8,), -1.0))
+    with lora.adapters_disabled(lora_trainer.ref):  # the reference: the base model
+        ref = lora_trainer._logprobs(lora_trainer.ref, group, sampled.responses, sampled.response_mask, 8)
+    lora_trainer.update_actor(1, group, sampled, old, ref, torch.full((8,), -1.0))
     after_hf = hf()
     assert not torch.equal(after_hf.responses, before_hf.responses)
     assert same_rollout(lora_trainer.engine.generate(prompts, keys, greedy, len(prompts)), after_hf)

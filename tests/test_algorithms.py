@@ -95,14 +95,19 @@ def test_kl_in_the_reward_and_the_adaptive_controller(demo_base, tmp_path, monke
     assert t.kl_coef == pytest.approx(coef * (1.0 + error * rows / 50.0), rel=1e-12)  # step 4's, checkpointed with step 3
 
 
-def filtering_experiment(demo_base, folder, algorithm=None, **trainer):
+def parity_reward(demo_base, folder) -> dict:
+    """worker.reward with PARITY_REWARD written into `folder`."""
     reward = folder / "parity.py"
     folder.mkdir(parents=True, exist_ok=True)
     reward.write_text(PARITY_REWARD)
+    return {**demo_base["worker"]["reward"], "reward_function": f"{reward}:compute"}
+
+
+def filtering_experiment(demo_base, folder, algorithm=None, **trainer):
     filtering = {"online_filtering": True, "filter_key": "overall", "filter_low": 0.01, "filter_high": 0.99}
     return experiment(
         demo_base, folder, {**filtering, **(algorithm or {})},
-        worker={"reward": {**demo_base["worker"]["reward"], "reward_function": f"{reward}:compute"}},
+        worker={"reward": parity_reward(demo_base, folder)},
         data={**demo_base["data"], "mini_rollout_batch_size": 2},
         trainer={**demo_base["trainer"], "max_steps": 100, "val_freq": 100, **trainer},
     )
@@ -187,7 +192,10 @@ RUNS = {
 @pytest.mark.parametrize("name", list(RUNS))
 def test_each_loss_and_estimator_trains_20_steps(demo_base, tmp_path, name):
     actor, algorithm, expected = RUNS[name]
-    cfg = experiment(demo_base, tmp_path, algorithm, actor, trainer={**demo_base["trainer"], "max_steps": 20})
+    # The parity reward: the test-size demo model scores 0 on r1v throughout, so every group would be
+    # all-equal and every estimator's advantage 0, as in EasyR1 (a KL penalty in the reward aside).
+    cfg = experiment(demo_base, tmp_path, algorithm, actor, trainer={**demo_base["trainer"], "max_steps": 20},
+                     worker={"reward": parity_reward(demo_base, tmp_path)})
     t = GRPOTrainer(cfg)
     t.load(0)
     records = [t.step(s) for s in range(1, 21)]

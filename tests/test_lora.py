@@ -215,3 +215,17 @@ def test_two_lora_segments_resume_bitwise_and_validate_base_plus_adapters(demo_b
     assert fresh["val/overall_reward"] == in_process["val/overall_reward"]
     assert fresh["samples"] == in_process["samples"]
 
+
+def test_the_adapters_initial_weights_are_a_function_of_the_seed(demo_base, tmp_path):
+    """Every rank (and a single process) draws the same A whatever it drew before; torch's RNG is left as it was."""
+    cfg = lora_cfg(demo_base, tmp_path)
+    first = lora.add_adapters(base_model(cfg), cfg)
+    torch.rand(7)  # another history of the global RNG
+    state = torch.get_rng_state()
+    second = lora.add_adapters(base_model(cfg), cfg)
+    assert torch.equal(state, torch.get_rng_state())
+    a, b = lora.adapter_tensors(first), lora.adapter_tensors(second)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.endswith("lora_A.weight") and a[k].abs().max() > 0 for k in a)
+    other = lora.add_adapters(base_model(cfg), config.deep_merge(cfg, {"seed": cfg["seed"] + 1}))
+    assert not all(torch.equal(a[k], v) for k, v in lora.adapter_tensors(other).items())

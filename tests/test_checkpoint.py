@@ -251,3 +251,15 @@ def test_checksums_of_pieces_combine_into_the_files_and_cover_it_once():
         _check_ranges(Path("f"), [whole[0], (8, 12, 0)], 20)
     with pytest.raises(CheckpointError, match="20 of its 30 bytes"):
         _check_ranges(Path("f"), whole, 30)
+
+
+def test_tensor_files_are_laid_out_alike_whatever_the_state_order():
+    """A resumed optimizer holds its state in load order, a straight one in step order: equal-sized
+    tensors must land in the same files either way (the resume tests compare files tensor by tensor)."""
+    from vlgrpo.checkpoint import _groups
+
+    tensors = {f"state/p{i}/exp_avg": torch.zeros(4) for i in range(6)} | {"state/big/exp_avg": torch.zeros(16)}
+    reordered = dict(reversed(list(tensors.items())))
+    layout = [[n for n, _ in g] for g in _groups(tensors, 3)]
+    assert layout == [[n for n, _ in g] for g in _groups(reordered, 3)]
+    assert sorted(n for g in layout for n in g) == sorted(tensors)

@@ -31,13 +31,20 @@ def stepped(demo_base, tmp_path_factory):
     trainer.load(0)
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
     trainer.step(1)
-    # and an update that pushes sampled responses down, so the adapters move whatever the step's rewards
-    # were (B starts at 0 and moves only with non-zero advantages; the test-size demo's groups often score alike)
+    assert push_down(trainer, 2)["actor/nonfinite_skipped"] == 0
+    return trainer, before
+
+
+def push_down(trainer, step):
+    """An update that pushes sampled responses down, so the adapters move whatever a step's rewards were
+    (B starts at 0 and moves only with non-zero advantages; the test-size demo's groups often all score 0).
+    Old and ref log-probs as GRPOTrainer.step computes them (ref: the policy with its adapters off)."""
     group = image_prompts(trainer, 2).repeat_interleave(4)
     out = trainer.engine.generate(group, torch.arange(8), SamplingParams(1.0, 1.0, 24), len(group))
     old = trainer._logprobs(trainer.policy, group, out.responses, out.response_mask, 8)
-    assert trainer.update_actor(2, group, out, old, None, torch.full((8,), -1.0))["actor/nonfinite_skipped"] == 0
-    return trainer, before
+    with lora.adapters_disabled(trainer.ref):
+        ref = trainer._logprobs(trainer.ref, group, out.responses, out.response_mask, 8)
+    return trainer.update_actor(step, group, out, old, ref, torch.full((8,), -1.0))
 
 
 def base_model(cfg):
@@ -165,9 +172,11 @@ def test_gradient_checkpointing_and_a_frozen_vision_tower_work_with_lora(demo_ba
     trainable = {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
     assert trainable and not trainable & visual and all(lora.is_adapter(n) for n in trainable)
     before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
-    record = trainer.step(1)
+    trainer.step(1)  # the whole step runs checkpointed (its rewards may all be 0: no gradient then)
+    record = push_down(trainer, 2)
     changed = {n for n, p in trainer.policy.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert changed and changed <= trainable and record["actor/grad_norm"] > 0
+    assert any(n.endswith("lora_B.default.weight") for n in changed)
 
 
 @pytest.mark.slow
@@ -205,3 +214,18 @@ def test_two_lora_segments_resume_bitwise_and_validate_base_plus_adapters(demo_b
     fresh = evaluate.evaluate(cfg, 4)
     assert fresh["val/overall_reward"] == in_process["val/overall_reward"]
     assert fresh["samples"] == in_process["samples"]
+
+
+def test_the_adapters_initial_weights_are_a_function_of_the_seed(demo_base, tmp_path):
+    """Every rank (and a single process) draws the same A whatever it drew before; torch's RNG is left as it was."""
+    cfg = lora_cfg(demo_base, tmp_path)
+    first = lora.add_adapters(base_model(cfg), cfg)
+    torch.rand(7)  # another history of the global RNG
+    state = torch.get_rng_state()
+    second = lora.add_adapters(base_model(cfg), cfg)
+    assert torch.equal(state, torch.get_rng_state())
+    a, b = lora.adapter_tensors(first), lora.adapter_tensors(second)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.endswith("lora_A.weight") and a[k].abs().max() > 0 for k in a)
+    other = lora.add_adapters(base_model(cfg), config.deep_merge(cfg, {"seed": cfg["seed"] + 1}))
+    assert not all(torch.equal(a[k], v) for k, v in lora.adapter_tensors(other).items())

@@ -320,10 +320,12 @@ def _crc_of_file(path: Path) -> int:
 
 
 def _groups(tensors: dict[str, torch.Tensor], count: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """`tensors` in up to `count` groups of about equal bytes (largest first into the lightest group)."""
+    """`tensors` in up to `count` groups of about equal bytes (largest first into the lightest group).
+    Ties go by name: the layout is the same whatever order the optimizer holds its state in (a resumed
+    optimizer holds it in the order it was loaded), so a resumed run writes the files the straight one does."""
     groups: list[list] = [[] for _ in range(max(1, min(count, len(tensors))))]
     sizes = [0] * len(groups)
-    for name, t in sorted(tensors.items(), key=lambda item: -item[1].nbytes):
+    for name, t in sorted(tensors.items(), key=lambda item: (-item[1].nbytes, item[0])):
         i = sizes.index(min(sizes))
         groups[i].append((name, t))
         sizes[i] += t.nbytes

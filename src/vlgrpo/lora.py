@@ -57,11 +57,17 @@ def peft_config(cfg: dict):
 
 
 def add_adapters(model, cfg: dict):
-    """`model` with fresh LoRA adapters (B = 0: the model still computes the base function)."""
+    """`model` with fresh LoRA adapters (B = 0: the model still computes the base function).
+
+    A's random init is a pure function of cfg's seed (torch's global RNG forked, left as it was): every
+    rank draws the same adapters, and a run on N processes starts where one on a single process starts."""
     import peft
 
+    devices = sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
     try:
-        peft.inject_adapter_in_model(peft_config(cfg), model, ADAPTER)
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(cfg["seed"])
+            peft.inject_adapter_in_model(peft_config(cfg), model, ADAPTER)
     except ValueError as e:  # peft's message names the target modules it did not find
         raise ConfigError(f"'worker.actor.model.lora': {e}") from None
     return model

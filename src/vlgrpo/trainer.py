@@ -476,6 +476,8 @@ class GRPOTrainer:
         # The step's tensors go to the device once; metrics stay there until the end (no wait per micro-batch).
         dev = self.policy.device
         old_d, adv_d, mask_d = to_device(old_logp, dev), to_device(advantages, dev), to_device(out.response_mask, dev)
+        if self.kl_mode == "loss" and ref_logp is None:
+            raise ValueError("update_actor: the KL loss (algorithm.use_kl_loss) needs ref_logp, the reference model's (N, R) log-probs")
         ref_d = None if ref_logp is None else to_device(ref_logp, dev)
         self.policy.train()
         for epoch in range(actor["ppo_epochs"]):

@@ -6,6 +6,7 @@ from pathlib import Path
 from vlgrpo import config as config_lib
 from vlgrpo import demo_folders, failures, fingerprint, locks, paths, plan, val_results
 from vlgrpo.config import ConfigError
+from vlgrpo.report.cli import input_warnings
 from vlgrpo.report.plots import FIGURES
 
 try:
@@ -143,22 +144,13 @@ onstart:
         sys.exit(lines[-1] if lines else _checked.stderr)
 
 
-def input_warnings():
-    """The filter's warnings about the data (too many undecodable images), in its stats files."""
-    out = []
-    for split in ("train", "val"):
-        stats = paths.path(paths.STATS, EXP, split=split)
-        out += json.loads(stats.read_text()).get("warnings", []) if stats.is_file() else []
-    return out
-
-
 # The last words of a run: warnings about its data (also in the report), and the line of each job that
 # failed on a user error (not retried).
 onsuccess:
-    for line in input_warnings():
+    for line in input_warnings(Path(EXP)):
         print(f"warning: {line}", file=sys.stderr)
 
 
 onerror:
-    for line in [f"warning: {w}" for w in input_warnings()] + failures.summary(EXP):
+    for line in [f"warning: {w}" for w in input_warnings(Path(EXP))] + failures.summary(EXP):
         print(line, file=sys.stderr)

@@ -18,7 +18,7 @@ def test_cpu_benchmark_writes_the_table_json(demo_base, tmp_path, capsys):
     path.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "bench.json"
 
-    result = bench.main(["--config", str(path), "--plain", str(ROOT / "configs" / "plain.yaml"), "--out", str(out), "--warmup", "1", "--steps", "2"])
+    result = bench.main(["--config", str(path), "--plain", str(ROOT / "configs" / "plain.yaml"), "--out", str(out), "--warmup", "1", "--steps", "2", "--profile"])
 
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(result))
@@ -40,3 +40,7 @@ def test_cpu_benchmark_writes_the_table_json(demo_base, tmp_path, capsys):
     assert saved["greedy_vs_hf"]["identical_rows"] == saved["greedy_vs_hf"]["rows"]  # float32: same tokens
     assert saved["eval"]["items"] == 16 and saved["eval"]["eval_s"] >= saved["eval"]["generate_s"] > 0
     assert "speed-up" in capsys.readouterr().out
+    # --profile: the last measured step's phases, each with its wall time, beside the JSON
+    profile = {line.split()[0]: float(line.split()[1]) for line in out.with_suffix(".profile.txt").read_text().splitlines()[1:7]}
+    assert set(profile) == {"gen", "old", "ref", "reward", "adv", "update_actor"}
+    assert 0 < profile["update_actor"] <= saved["steps_s"][-1]

@@ -34,6 +34,62 @@ def test_without_vllm_the_engine_says_how_to_install_it():
         make_engine("vllm", None, None, cfg={})
 
 
+# vLLM keeps one parallel state per process, and closing an engine tears it down: two engines must
+# not be alive at once. Tests that build their own engine (own_trainer) come first in this file (pytest
+# runs them in file order) and close it as they end; the module's shared `trainer` is built after them.
+@pytest.fixture
+def own_trainer(demo_base, tmp_path):
+    """Builds a trainer (and its engine) from config overrides; its engine is closed at the test's end."""
+    from vlgrpo.trainer import GRPOTrainer
+
+    made = []
+
+    def build(overrides: dict):
+        from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+        assert not model_parallel_is_initialized(), "another vLLM engine is alive: put this test above the shared trainer's"
+        made.append(GRPOTrainer(make_experiment(demo_base, tmp_path, overrides)))
+        made[-1].load(0)
+        return made[-1]
+
+    yield build
+    for trainer in made:
+        if trainer.engine is not None:  # now, not whenever the garbage collector gets to it
+            trainer.engine.llm.llm_engine.engine_core.shutdown()
+
+
+@needs_vllm
+def test_vllm_serves_the_policys_lora_adapters(own_trainer):
+    """With LoRA (no adapters on the vision tower, as vLLM needs) vLLM generates the hf engine's greedy
+    tokens with the adapters active, before and after an update that moves them (vLLM's LoRA requests)."""
+    lora_trainer = own_trainer({"worker": {"rollout": VLLM, "actor": {
+        "optim": {"lr": 5e-2}, "model": {"lora": {"rank": 8, "alpha": 16, "exclude_modules": ".*visual.*"}}}}})
+    prompts, keys = image_prompts(lora_trainer, 4, 1), torch.arange(4)
+    greedy = SamplingParams(temperature=0, top_p=1.0, max_tokens=32)
+
+    def hf():
+        return make_engine("hf", lora_trainer.policy, lora_trainer.processor).generate(prompts, keys, greedy, len(prompts))
+
+    before_hf = hf()
+    assert same_rollout(lora_trainer.engine.generate(prompts, keys, greedy, len(prompts)), before_hf)
+    group = image_prompts(lora_trainer, 2, 4)
+    sampled = lora_trainer.engine.generate(group, torch.arange(8), SamplingParams(1.0, 1.0, 24), len(group))
+    old = lora_trainer._logprobs(lora_trainer.policy, group, sampled.responses, sampled.response_mask, 8)
+    with lora.adapters_disabled(lora_trainer.ref):  # the reference: the base model
+        ref = lora_trainer._logprobs(lora_trainer.ref, group, sampled.responses, sampled.response_mask, 8)
+    lora_trainer.update_actor(1, group, sampled, old, ref, torch.full((8,), -1.0))
+    after_hf = hf()
+    assert not torch.equal(after_hf.responses, before_hf.responses)
+    assert same_rollout(lora_trainer.engine.generate(prompts, keys, greedy, len(prompts)), after_hf)
+
+
+@needs_vllm
+def test_vllm_refuses_adapters_on_the_vision_tower(own_trainer):
+    with pytest.raises(VlgrpoError, match="exclude_modules"):
+        own_trainer({"worker": {"rollout": VLLM, "actor": {"model": {"lora": {"rank": 8}}}}})
+
+
+
 @pytest.fixture(scope="module")
 def trainer(demo_base, tmp_path_factory):
     from vlgrpo.trainer import GRPOTrainer
@@ -99,44 +155,6 @@ def test_vllm_generates_the_hf_engines_greedy_tokens_on_a_mixed_batch(trainer):
     keys, greedy = torch.arange(4), SamplingParams(temperature=0, top_p=1.0, max_tokens=32)
     hf = make_engine("hf", trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
     assert same_rollout(trainer.engine.generate(prompts, keys, greedy, len(prompts)), hf)
-
-
-@needs_vllm
-def test_vllm_serves_the_policys_lora_adapters(demo_base, tmp_path):
-    """With LoRA (no adapters on the vision tower, as vLLM needs) vLLM generates the hf engine's greedy
-    tokens with the adapters active, before and after an update that moves them (vLLM's LoRA requests)."""
-    from vlgrpo.trainer import GRPOTrainer
-
-    cfg = make_experiment(demo_base, tmp_path, {"worker": {"rollout": VLLM, "actor": {
-        "optim": {"lr": 5e-2}, "model": {"lora": {"rank": 8, "alpha": 16, "exclude_modules": ".*visual.*"}}}}})
-    lora_trainer = GRPOTrainer(cfg)
-    lora_trainer.load(0)
-    prompts, keys = image_prompts(lora_trainer, 4, 1), torch.arange(4)
-    greedy = SamplingParams(temperature=0, top_p=1.0, max_tokens=32)
-
-    def hf():
-        return make_engine("hf", lora_trainer.policy, lora_trainer.processor).generate(prompts, keys, greedy, len(prompts))
-
-    before_hf = hf()
-    assert same_rollout(lora_trainer.engine.generate(prompts, keys, greedy, len(prompts)), before_hf)
-    group = image_prompts(lora_trainer, 2, 4)
-    sampled = lora_trainer.engine.generate(group, torch.arange(8), SamplingParams(1.0, 1.0, 24), len(group))
-    old = lora_trainer._logprobs(lora_trainer.policy, group, sampled.responses, sampled.response_mask, 8)
-    with lora.adapters_disabled(lora_trainer.ref):  # the reference: the base model
-        ref = lora_trainer._logprobs(lora_trainer.ref, group, sampled.responses, sampled.response_mask, 8)
-    lora_trainer.update_actor(1, group, sampled, old, ref, torch.full((8,), -1.0))
-    after_hf = hf()
-    assert not torch.equal(after_hf.responses, before_hf.responses)
-    assert same_rollout(lora_trainer.engine.generate(prompts, keys, greedy, len(prompts)), after_hf)
-
-
-@needs_vllm
-def test_vllm_refuses_adapters_on_the_vision_tower(demo_base, tmp_path):
-    from vlgrpo.trainer import GRPOTrainer
-
-    cfg = make_experiment(demo_base, tmp_path, {"worker": {"rollout": VLLM, "actor": {"model": {"lora": {"rank": 8}}}}})
-    with pytest.raises(VlgrpoError, match="exclude_modules"):
-        GRPOTrainer(cfg).load(0)
 
 
 @needs_vllm

@@ -12,13 +12,16 @@ splits are made with data.filter_split where missing. In order, on the same weig
      Geometry3K's test split);
   4. --plain-steps steps of the plain path (the config with --plain on top: configs/plain.yaml turns
      every fast path off), starting at the first measured step so that both paths see the same prompts.
-Prints one table and writes the JSON. Step FLOPs are what a step needs (step_flops), so MFU is
+With --profile, the last measured step runs under torch.profiler: a table of each phase's wall time
+against its GPU kernel time (how host-bound the phase is) and the top kernels go beside the JSON
+(<out>.profile.txt). Prints one table and writes the JSON. Step FLOPs are what a step needs (step_flops), so MFU is
 comparable between the paths.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -142,14 +145,37 @@ def step_flops(trainer: GRPOTrainer, step: int, response_tokens: float) -> float
     return forwards * forward_flops(model_config, prompt_tokens, per_row, cfg["worker"]["rollout"]["n"], response_tokens)
 
 
-def run_steps(trainer: GRPOTrainer, steps: range, device: torch.device, peak_tflops: float) -> dict:
-    """Run `steps`; per-phase medians, step wall time (synchronised), throughput, MFU, peak memory."""
+def profiled(device: torch.device, out: Path | None):
+    """A profiler over one step writing its summary to `out` (a no-op context without `out`)."""
+    if out is None:
+        return contextlib.nullcontext()
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+    def summarise(prof) -> None:
+        events = prof.key_averages()
+        phases = [e for e in events if e.key in PHASES]
+        lines = [f"{'phase':<16}{'wall s':>10}{'gpu kernels s':>15}{'gpu busy':>10}"]
+        for e in phases:
+            wall, gpu = e.cpu_time_total / 1e6, getattr(e, "device_time_total", 0.0) / 1e6
+            lines.append(f"{e.key:<16}{wall:>10.2f}{gpu:>15.2f}{gpu / wall if wall else 0:>10.0%}")
+        sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+        table = events.table(sort_by=sort, row_limit=40, max_name_column_width=60)
+        out.write_text("\n".join(lines) + "\n\n" + table + "\n")
+        log.info("profile written to %s", out)
+
+    return torch.profiler.profile(activities=activities, on_trace_ready=summarise)
+
+
+def run_steps(trainer: GRPOTrainer, steps: range, device: torch.device, peak_tflops: float, profile: Path | None = None) -> dict:
+    """Run `steps`; per-phase medians, step wall time (synchronised), throughput, MFU, peak memory.
+    profile: a path for the last step's profile summary (profiled)."""
     records, walls, flops = [], [], []
     for step in steps:
         sync(device)
         start = time.perf_counter()
-        record = trainer.step(step)
-        sync(device)
+        with profiled(device, profile if step == steps[-1] else None):
+            record = trainer.step(step)
+            sync(device)
         walls.append(time.perf_counter() - start)
         records.append(record)
         flops.append(step_flops(trainer, step, record["response_length/mean"]))
@@ -258,6 +284,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--plain", default="configs/plain.yaml", help="the overlay that makes the plain path")
     parser.add_argument("--eval", action=argparse.BooleanOptionalAction, default=True, help="time the evaluator")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the last measured step (torch.profiler): <out>.profile.txt, per phase GPU busy time and top kernels")
     parser.add_argument("--checkpoint", action="store_true",
                         help="also save a checkpoint after the measured steps (seconds, bytes; removed after)")
     args = parser.parse_args(argv)
@@ -297,7 +325,8 @@ def main(argv=None) -> dict:
     first = args.warmup + 1
     for step in range(1, first):
         trainer.step(step)
-    result.update(run_steps(trainer, range(first, first + args.steps), device, result["peak_tflops"]))
+    profile = out_path.with_suffix(".profile.txt") if args.profile else None
+    result.update(run_steps(trainer, range(first, first + args.steps), device, result["peak_tflops"], profile))
     if trainer.lora_info:
         result["lora"] = trainer.lora_info
     if args.checkpoint:

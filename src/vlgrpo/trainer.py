@@ -80,7 +80,8 @@ def training_hash(cfg: dict) -> str:
 @contextlib.contextmanager
 def timer(timing: dict, name: str):
     start = time.perf_counter()
-    yield
+    with torch.profiler.record_function(name):  # a phase's range in a profile (vlgrpo bench --profile)
+        yield
     timing[name] = timing.get(name, 0.0) + time.perf_counter() - start  # a phase timed in parts adds up
     log.debug("%s: %.2f s", name, timing[name])  # the benchmark shows these as they happen
 
@@ -379,7 +380,8 @@ class GRPOTrainer:
         # Grading runs on other CPU cores while old and ref run; `reward` is the time the step waits for it.
         if distributed.is_sharded(self.policy) and rollout_cfg["engine"] == "static":
             self._make_engine()  # its captured graphs hold the addresses of the last gathering's weights
-        rows, prompts, out, grading, gen_timing, batch_info = self.make_batch(step, params)
+        with torch.profiler.record_function("gen"):  # timed by its parts (encode, generation)
+            rows, prompts, out, grading, gen_timing, batch_info = self.make_batch(step, params)
         timing["gen"], reward_s = gen_timing["encode"] + gen_timing["generation"], gen_timing["grading"]
         baselines = None
         if algorithm["adv_estimator"] == "remax":

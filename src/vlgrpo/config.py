@@ -8,6 +8,7 @@ never re-declares a hyperparameter.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -51,8 +52,16 @@ def _with_defaults(validator_class):
 _Validator = _with_defaults(jsonschema.Draft7Validator)
 
 
+@functools.lru_cache(maxsize=1)
+def _parsed_schema() -> dict:
+    # libyaml's parser where PyYAML has it: the pure-Python one takes a quarter second per read of the
+    # schema, and every job validates its config (at least twice) before it starts work.
+    return yaml.load(SCHEMA_PATH.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
 def load_schema() -> dict:
-    return yaml.safe_load(SCHEMA_PATH.read_text())
+    """The schema (a copy: callers may change it)."""
+    return copy.deepcopy(_parsed_schema())
 
 
 def _describe(error: jsonschema.ValidationError) -> str:

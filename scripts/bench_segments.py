@@ -108,24 +108,26 @@ def segment_table(exp: Path, ends: list[int], steps: int, launches: list[float])
     for end in ends:
         marker = json.loads(paths.path(paths.MARKER, exp, step=end).read_text())
         previous_end = max([previous_end] + [t for t in launches if t <= marker["job_start"]])
-        t = {k: v for k, v in metrics[end].items() if k.startswith("timing_s/")}
+        # The job's own phases from its marker: the step's merged record also holds the evaluate job's
+        # timing_s/validation where that job validated the checkpoint itself (in-process validation failed).
+        t = marker["timing_s"]
         steps_s = sum(metrics[s]["timing_s/step"] for s in range(end - steps + 1, end + 1))
-        generation = t.get("timing_s/validation_generation", 0.0)
+        generation = metrics[end].get("timing_s/validation_generation", 0.0) if marker["validated_in_process"] else 0.0
         job = marker["job_end"] - marker["job_start"]
-        timed = sum(t.get(f"timing_s/{k}", 0.0) for k in ("startup", "build_model", "load_checkpoint", "train", "save_checkpoint", "validation"))
+        timed = sum(t.get(k, 0.0) for k in ("startup", "build_model", "load_checkpoint", "train", "save_checkpoint", "validation"))
         parts = {
             "scheduling_gap": marker["job_start"] - previous_end,
-            "startup": t["timing_s/startup"],
-            "build_model": t["timing_s/build_model"],
-            "load_checkpoint": t["timing_s/load_checkpoint"],
-            "save_checkpoint": t["timing_s/save_checkpoint"],
-            "validation_other": t.get("timing_s/validation", 0.0) - generation,
-            "train_loop_other": t["timing_s/train"] - steps_s,
+            "startup": t["startup"],
+            "build_model": t["build_model"],
+            "load_checkpoint": t["load_checkpoint"],
+            "save_checkpoint": t["save_checkpoint"],
+            "validation_other": t.get("validation", 0.0) - generation,
+            "train_loop_other": t["train"] - steps_s,
             "job_other": job - timed,
         }
         rows.append({
-            "end_step": end, "steps_s": steps_s, "validation_s": t.get("timing_s/validation", 0.0),
-            "save_checkpoint_behind_s": t.get("timing_s/save_checkpoint_behind", 0.0),  # the whole write, mostly hidden
+            "end_step": end, "steps_s": steps_s, "validation_s": t.get("validation", 0.0),
+            "save_checkpoint_behind_s": t.get("save_checkpoint_behind", 0.0),  # the whole write, mostly hidden
             "validation_generation_s": generation, "validated_in_process": marker["validated_in_process"],
             "job_s": job, "overhead_s": sum(parts.values()), "overhead_parts_s": parts,
         })

@@ -29,29 +29,31 @@ def _mrope_section(rope: dict, head_dim: int) -> list[int]:
     return [half - 2 * (half // 3), half // 3, half // 3]
 
 
-def _shrink_text(text: dict) -> None:
+def _shrink_text(text: dict, head_dim: int) -> None:
     layers = 4 if "layer_types" in text else 2  # Qwen3.5: three linear-attention layers and one full
-    text.update(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=HEADS,
-                num_key_value_heads=KV_HEADS, max_window_layers=layers)
+    heads = HIDDEN // head_dim
+    text.update(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=max(1, heads * KV_HEADS // HEADS), max_window_layers=layers)
     if "head_dim" in text:
-        text["head_dim"] = HEAD_DIM
+        text["head_dim"] = head_dim
     if "layer_types" in text:
         text.update(layer_types=text["layer_types"][:layers], linear_key_head_dim=16, linear_value_head_dim=16,
                     linear_num_key_heads=2, linear_num_value_heads=4, mtp_num_hidden_layers=0)
     for key in ("rope_scaling", "rope_parameters"):
         if text.get(key) and "mrope_section" in text[key]:
-            text[key]["mrope_section"] = _mrope_section(text[key], HEAD_DIM)
+            text[key]["mrope_section"] = _mrope_section(text[key], head_dim)
 
 
-def tiny_config(model_type: str) -> dict:
-    """The shrunk config.json of `model_type` (from its shared folder's real one)."""
+def tiny_config(model_type: str, head_dim: int = HEAD_DIM) -> dict:
+    """The shrunk config.json of `model_type` (from its shared folder's real one). head_dim: the text
+    model's (vLLM's CPU attention takes 32 and up)."""
     config = json.loads((SHARED / FOLDERS[model_type] / "config.json").read_text())
     if model_type == "qwen3_vl_moe":  # Qwen3-VL-30B-A3B's layout on Qwen3-VL-4B's tokens
         config.update(model_type="qwen3_vl_moe", architectures=["Qwen3VLMoeForConditionalGeneration"])
         config["text_config"].update(model_type="qwen3_vl_moe_text", **MOE)
         config["vision_config"]["model_type"] = "qwen3_vl_moe"
     text = config.get("text_config", config)
-    _shrink_text(text)
+    _shrink_text(text, head_dim)
     vision = config["vision_config"]
     vision.update(depth=2, num_heads=2)
     if "embed_dim" in vision:  # Qwen2-VL: embed_dim is the tower's width, hidden_size its output
@@ -65,14 +67,14 @@ def tiny_config(model_type: str) -> dict:
     return config
 
 
-def build(model_type: str, folder: Path, seed: int = 0, weights: bool = True) -> Path:
-    """A folder holding the tiny `model_type` config, the real processor files and (weights) random
-    float32 weights drawn with `seed`."""
+def build(model_type: str, folder: Path, seed: int = 0, weights: bool = True, head_dim: int = HEAD_DIM) -> Path:
+    """A folder holding the tiny `model_type` config (tiny_config), the real processor files and
+    (weights) random float32 weights drawn with `seed`."""
     folder.mkdir(parents=True, exist_ok=True)
     for f in (SHARED / FOLDERS[model_type]).iterdir():
         if f.name not in ("config.json", "SOURCE.md", "LICENSE", "NOTICE"):
             shutil.copy(f, folder / f.name)
-    (folder / "config.json").write_text(json.dumps(tiny_config(model_type)))
+    (folder / "config.json").write_text(json.dumps(tiny_config(model_type, head_dim)))
     if weights:
         from transformers import AutoConfig
 

@@ -13,9 +13,11 @@ import psutil
 import pytest
 import torch
 
-from conftest import make_experiment
-from vlgrpo import config, lora
+import families
+from conftest import SHARED, make_experiment
+from vlgrpo import config, lora, paths
 from vlgrpo.batch import PromptBatch
+from vlgrpo.data.filtering import filter_split
 from vlgrpo.data.prompts import encode_prompts
 from vlgrpo.errors import VlgrpoError
 from vlgrpo.rollout import SamplingParams, make_engine
@@ -44,11 +46,16 @@ def own_trainer(demo_base, tmp_path):
 
     made = []
 
-    def build(overrides: dict):
+    def build(overrides: dict, refilter: bool = False):
+        """refilter: filter the demo's rows again with the config's processor (another family's sizes)."""
         from vllm.distributed.parallel_state import model_parallel_is_initialized
 
         assert not model_parallel_is_initialized(), "another vLLM engine is alive: put this test above the shared trainer's"
-        made.append(GRPOTrainer(make_experiment(demo_base, tmp_path, overrides)))
+        cfg = make_experiment(demo_base, tmp_path / "results", overrides)
+        exp = config.experiment_dir(cfg)
+        for split in ("train", "val") if refilter else ():
+            filter_split(cfg, split, paths.path(paths.FILTERED, exp, split=split), paths.path(paths.STATS, exp, split=split))
+        made.append(GRPOTrainer(cfg))
         made[-1].load(0)
         return made[-1]
 
@@ -88,6 +95,22 @@ def test_vllm_refuses_adapters_on_the_vision_tower(own_trainer):
     with pytest.raises(VlgrpoError, match="exclude_modules"):
         own_trainer({"worker": {"rollout": VLLM, "actor": {"model": {"lora": {"rank": 8}}}}})
 
+
+
+@needs_vllm
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl"])  # Qwen3.5: vLLM's CPU Gated DeltaNet takes bf16 only
+def test_vllm_generates_the_hf_engines_greedy_tokens_for_each_family(model_type, own_trainer, tmp_path):
+    """Tiny random models of the other families on their real processors (tests/families.py): vLLM's
+    greedy tokens are the hf engine's, images expanded to the processor's token counts."""
+    if not (SHARED / families.FOLDERS[model_type]).exists():
+        pytest.skip(f"shared data absent: {families.FOLDERS[model_type]}")
+    folder = families.build(model_type, tmp_path / "model", head_dim=32)
+    trainer = own_trainer({"model": {"path": str(folder)}, "data": {"max_prompt_length": 1024}, "worker": {"rollout": VLLM}},
+                          refilter=True)
+    prompts, keys = image_prompts(trainer, 4, 1), torch.arange(4)
+    greedy = SamplingParams(temperature=0, top_p=1.0, max_tokens=16)
+    hf = make_engine("hf", trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
+    assert same_rollout(trainer.engine.generate(prompts, keys, greedy, len(prompts)), hf)
 
 
 @pytest.fixture(scope="module")

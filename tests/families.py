@@ -1,12 +1,15 @@
 """Tiny random models of each family: the real config of ../shared/data/<folder> shrunk to a few
 layers of a few units (token ids, vocabulary, rope kind, deepstack, layer kinds kept), saved beside
-the real processor, tokenizer and chat template."""
+the real processor, tokenizer and chat template. Text-only families: Qwen3-4B-Instruct-2507's config
+(qwen3) or transformers' config class with its vocabulary and token ids (qwen2, qwen3_moe, llama),
+beside its tokenizer and chat template."""
 
 import json
 import shutil
 from pathlib import Path
 
 import torch
+import transformers
 
 from conftest import SHARED
 from vlgrpo import models
@@ -18,7 +21,12 @@ FOLDERS = {
     "qwen3_vl": "qwen3_vl_4b",
     "qwen3_vl_moe": "qwen3_vl_4b",
     "qwen3_5": "qwen3_5_0_8b",
+    "qwen3": "qwen3_4b",
+    "qwen2": "qwen3_4b",
+    "qwen3_moe": "qwen3_4b",
+    "llama": "qwen3_4b",
 }
+TEXT_CLASSES = {"qwen2": "Qwen2Config", "qwen3_moe": "Qwen3MoeConfig", "llama": "LlamaConfig"}  # qwen3: the real config
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
 
@@ -46,6 +54,13 @@ def _shrink_text(text: dict) -> None:
 def tiny_config(model_type: str) -> dict:
     """The shrunk config.json of `model_type` (from its shared folder's real one)."""
     config = json.loads((SHARED / FOLDERS[model_type] / "config.json").read_text())
+    if model_type in TEXT_CLASSES:  # the real Qwen3-4B's vocabulary and token ids in another family's config
+        tokens = {k: config[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "tie_word_embeddings")}
+        config = getattr(transformers, TEXT_CLASSES[model_type])(**tokens, **(MOE if model_type == "qwen3_moe" else {})).to_dict()
+        config.pop("layer_types", None)  # all full attention: rebuilt for the shrunk depth
+    if not models.family(model_type).vision:
+        _shrink_text(config)
+        return config
     if model_type == "qwen3_vl_moe":  # Qwen3-VL-30B-A3B's layout on Qwen3-VL-4B's tokens
         config.update(model_type="qwen3_vl_moe", architectures=["Qwen3VLMoeForConditionalGeneration"])
         config["text_config"].update(model_type="qwen3_vl_moe_text", **MOE)

@@ -257,3 +257,30 @@ def test_bench_runs_a_text_model_on_the_cpu(tmp_path):
     assert 0 < result["mfu"] and result["rollout"]["engine"] == "static"
     assert result["greedy_vs_hf"]["identical_rows"] == result["greedy_vs_hf"]["rows"]
     assert result["eval"]["items"] == 2
+
+
+@pytest.mark.parametrize("name,values", [
+    ("qwen3_4b_math.yaml", {"experiment": "qwen3_4b_math_grpo", "data.max_response_length": 4096,
+                            "worker.actor.model.lora.rank": 0, "worker.actor.optim.lr": 1e-6, "trainer.n_gpus_per_node": 8}),
+    ("qwen3_4b_math_lora.yaml", {"experiment": "qwen3_4b_math_grpo_lora", "data.max_response_length": 2048,
+                                 "worker.actor.model.lora.rank": 64, "worker.actor.model.lora.alpha": 64,
+                                 "worker.actor.optim.lr": 1e-5, "trainer.n_gpus_per_node": 1}),
+])
+def test_the_qwen3_4b_math_recipes_are_easyr1s(name, values):
+    """examples/config.yaml with examples/qwen3_4b_math_grpo.sh / qwen3_4b_math_grpo_lora.sh on top."""
+    cfg = config.load(ROOT / "configs" / name)
+    flat = {}
+
+    def walk(node, prefix=""):
+        for k, v in node.items():
+            walk(v, f"{prefix}{k}.") if isinstance(v, dict) and v else flat.__setitem__(prefix + k, v)
+
+    walk(cfg)
+    easyr1 = {"model.path": "Qwen/Qwen3-4B", "data.train": "hiyouga/math12k@train", "data.val": "hiyouga/math12k@test",
+              "data.format_prompt": "math", "data.max_prompt_length": 2048, "worker.rollout.batch_size": 512,
+              "worker.rollout.n": 5, "worker.actor.global_batch_size": 128, "algorithm.kl_coef": 1e-2,
+              "algorithm.kl_penalty": "low_var_kl", "worker.reward.reward_function": "math", "seed": 1,
+              "model.gradient_checkpointing": True, "worker.rollout.val_override_config.temperature": 0.6}
+    assert {k: flat[k] for k in {**easyr1, **values}} == {**easyr1, **values}
+    cuda = config.for_device(cfg, "cuda", models.family("qwen3"))
+    assert cuda["worker"]["rollout"]["engine"] == "static" and cuda["model"]["fused_rms_norm"] is True

@@ -47,9 +47,9 @@ log = logging.getLogger(__name__)
 
 # Why a row is dropped; a dropped row counts under the first check it fails.
 DROP_REASONS = (
+    "text_only_model",  # an image or video row for a model that takes no images (models.Family.vision)
     "problem_empty",
     "answer_empty",
-    "text_only_model",  # an image or video row for a model that takes no images (models.Family.vision)
     "image_missing",
     "no_image_placeholder",
     "more_placeholders_than_images",

@@ -3,8 +3,11 @@ tokenizer and chat template, float32, CPU) on math rows: prompts rendered as Eas
 rows refused by name, log-probs of generation equal to training's and the fast paths equal to the plain
 ones where the family runs them, LoRA, two GRPO steps with a checkpoint, a bitwise resume and validation."""
 
+import importlib.util
 import json
 import logging
+import os
+import subprocess
 
 import pytest
 import torch
@@ -284,3 +287,44 @@ def test_the_qwen3_4b_math_recipes_are_easyr1s(name, values):
     assert {k: flat[k] for k in {**easyr1, **values}} == {**easyr1, **values}
     cuda = config.for_device(cfg, "cuda", models.family("qwen3"))
     assert cuda["worker"]["rollout"]["engine"] == "static" and cuda["model"]["fused_rms_norm"] is True
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here (envs/make_vllm_env.sh makes its env)")
+def test_vllm_generates_the_hf_engines_greedy_tokens_for_a_text_model(tmp_path):
+    """Token ids alone go to vLLM (no multimodal data or limits); its greedy tokens equal the hf engine's."""
+    from vlgrpo.rollout import make_engine
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = families.build("qwen3", tmp_path / "model", weights=False)
+    tiny = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**tiny, "head_dim": 32}))  # vLLM's CPU attention takes no 16
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32).save_pretrained(folder)
+    cfg = filtered(text_experiment(tmp_path, folder, {"worker": {"rollout": {"engine": "vllm"}}}))
+    trainer = GRPOTrainer(cfg)
+    trainer.load(0)
+    prompts, keys = _prompts(trainer, n=1), torch.arange(3)
+    greedy = SamplingParams(temperature=0, top_p=1.0, max_tokens=16)
+    hf = make_engine("hf", trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
+    out = trainer.engine.generate(prompts, keys, greedy, len(prompts))
+    assert torch.equal(out.responses, hf.responses) and out.texts == hf.texts
+
+
+@pytest.mark.slow
+def test_the_workflow_runs_a_text_model_to_its_report(tmp_path):
+    """Filter, train in two segments with validation, report: Snakemake on the tiny qwen3 and math rows."""
+    cfg = text_experiment(tmp_path, families.build("qwen3", tmp_path / "model"),
+                          {"trainer": {"max_steps": 4, "retries": 0}})
+    recipe = {k: cfg[k] for k in ("experiment", "seed", "model", "data", "algorithm", "worker", "trainer")}
+    (tmp_path / "text.yaml").write_text(yaml.safe_dump(recipe))
+    run = subprocess.run(["snakemake", "--cores", "2", "--snakefile", str(ROOT / "Snakefile"), "--directory", str(tmp_path / "work"),
+                          "--configfile", str(tmp_path / "text.yaml")], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert run.returncode == 0, run.stderr[-3000:]
+    exp = tmp_path / "work" / "results" / "text"
+    summary = json.loads((exp / "report" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["val"]["final"]["step"] == 4
+    assert [r["step"] for r in read_metrics(exp / "metrics.jsonl") if "actor/pg_loss" in r] == [1, 2, 3, 4]
+    stats = json.loads((exp / "data" / "train.stats.json").read_text())
+    assert stats["kinds"]["text"]["kept"] == len(PROBLEMS) and stats["image_tokens"]["max"] == 0

@@ -16,6 +16,8 @@ Speed switches (ForwardOptions, all off by default and none changes the result b
 - dynamic batching (micro_batches): micro-batches sized by a padded-token budget.
 The prefix forward (prefix sharing, the static engine's prefill) takes Qwen2.5-VL's rope positions
 and vision indices computed on the CPU (multimodal_index): the same values, no host reads on the GPU.
+A text-only model (models.Family.vision false) gets 1-D rope positions from each row's first real
+token in every forward (models.text_positions), as EasyR1 and transformers' generate give them.
 """
 
 from __future__ import annotations

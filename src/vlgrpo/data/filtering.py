@@ -102,7 +102,7 @@ class _FilterSettings:
     processor_pixels: tuple[int, int]
     max_prompt_length: int
     drop_overlong: bool
-    model: str = ""  # the family's title where it is text-only (its image and video rows are dropped); "" for vision
+    text_only_model: str = ""  # the family's title where it takes no images (its image and video rows are dropped)
 
 
 class _Dropped(Exception):
@@ -172,7 +172,7 @@ def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSetti
             images.append(resize_image(image, s.min_pixels, s.max_pixels, s.processor_pixels, image_factor(processor)))
         except ValueError as e:
             raise _Dropped("image_size_unsupported", str(e)) from e
-    prompt = render_prompt(processor, problem, s.template, vision=s.has_image_column and not s.model)
+    prompt = render_prompt(processor, problem, s.template, vision=s.has_image_column and not s.text_only_model)
     try:
         prompt_length = count_prompt_tokens(processor, prompt, images)
         full = processor(images=images or None, text=[prompt], add_special_tokens=False) if verify else None
@@ -218,8 +218,8 @@ def _filter_range(bounds: tuple[int, int]) -> list[tuple[int, str, dict | None, 
     for index, row in enumerate(rows, start):
         kind = _row_kind(row, settings)
         try:
-            if kind != "text" and settings.model:
-                raise _Dropped("text_only_model", f"a {kind} row; {settings.model} is a text-only model, it takes no {kind}s")
+            if kind != "text" and settings.text_only_model:
+                raise _Dropped("text_only_model", f"a {kind} row; {settings.text_only_model} is a text-only model, it takes no {kind}s")
             if kind == "video":
                 raise _Dropped("video_unsupported", f"a {VIDEO_PLACEHOLDER!r} placeholder or {VIDEO_COLUMN!r}; video rows are not trained yet")
             # The first row of each range is checked against the full processor call.
@@ -303,7 +303,7 @@ def filter_split(
         processor_pixels=processor_pixel_bounds(processor) if family.vision else (0, 0),
         max_prompt_length=data["max_prompt_length"],
         drop_overlong=data["filter_overlong_prompts"],
-        model="" if family.vision else family.title,
+        text_only_model="" if family.vision else family.title,
     )
     format_template(settings.template)
     ds = load_split(data[split], settings.image_key, settings.prompt_key, settings.answer_key)

@@ -232,7 +232,7 @@ class VLLMEngine:
         self, prompts: PromptBatch, keys: torch.Tensor, params: SamplingParams, batch_size: int, progress=False
     ) -> Rollout:
         """Sample one response per row of `prompts`; vLLM schedules the batch itself (batch_size unused)."""
-        if prompts.images is None:
+        if prompts.images is None and self.vision:
             raise ValueError("the vllm engine needs the rows' images (PromptBatch.from_processor(..., images=...))")
         self.push_weights()
         requests, expected = [], []
@@ -240,7 +240,7 @@ class VLLMEngine:
             ids = prompts.input_ids[i][prompts.attention_mask[i].bool()].tolist()
             expected.append(ids)
             request = {"prompt_token_ids": _collapse_image_runs(ids, self.image_token) if self.vision else ids}
-            if prompts.images[i]:  # a text-only row has no multimodal data
+            if self.vision and prompts.images[i]:  # a text-only row has no multimodal data
                 request["multi_modal_data"] = {"image": list(prompts.images[i])}
             requests.append(request)
         sampling = [

@@ -96,3 +96,48 @@ def build(model_type: str, folder: Path, seed: int = 0, weights: bool = True) ->
         model = models.model_class(fam).from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
         model.save_pretrained(folder)
     return folder
+
+
+def check_logprobs_and_engines(trainer, model_type: str, prompts):
+    """On `trainer`'s policy: sampled log-probs equal the training forward's, the fast paths the family
+    serves (prefix sharing, chunked log-probs) equal the plain forward, and where it serves the static
+    engine, its greedy tokens equal the hf engine's. Returns (the hf rollout, plain log-probs)."""
+    from vlgrpo.policy import ForwardOptions, response_logprobs
+    from vlgrpo.rollout import SamplingParams
+    from vlgrpo.rollout.hf import HFEngine
+    from vlgrpo.rollout.sampling import sample_key
+    from vlgrpo.rollout.static import StaticEngine
+
+    family = models.family(model_type)
+    keys = torch.tensor([sample_key(1, 1, i) for i in range(len(prompts))])
+    out = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, SamplingParams(1.0, 1.0, 12), len(prompts))
+    mask = out.response_mask.bool()
+    with torch.no_grad():
+        plain = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0)
+        fast = ForwardOptions(prefix_sharing=family.serves("worker.actor.prefix_sharing"), logprobs_chunk_size=5)
+        shared = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, fast)
+    assert torch.allclose(plain[mask], out.logp[mask], atol=1e-5), (plain - out.logp).abs().max()
+    assert torch.allclose(shared[mask], plain[mask], atol=1e-5), (shared - plain).abs().max()
+    if family.serves("worker.rollout.engine"):
+        greedy = SamplingParams(0.0, 1.0, 12)
+        hf = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
+        static = StaticEngine(trainer.policy, trainer.processor, cuda_graph=False).generate(prompts, keys, greedy, len(prompts))
+        assert torch.equal(static.responses, hf.responses)
+        assert torch.allclose(static.logp, hf.logp, atol=1e-5)
+    return out, plain
+
+
+def checkpoint_weights(cfg: dict, step: int) -> dict:
+    """The model tensors of checkpoint `step` in `cfg`'s experiment."""
+    from safetensors.torch import load_file
+
+    from vlgrpo import config, paths
+    from vlgrpo.checkpoint import CheckpointStore
+
+    folder = CheckpointStore(paths.path(paths.CHECKPOINTS, config.experiment_dir(cfg))).model_dir(step)
+    return {k: v for f in sorted(folder.glob("model*.safetensors")) for k, v in load_file(f).items()}
+
+
+def deterministic(record: dict) -> dict:
+    """A metrics record without its wall-clock figures."""
+    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "timing_per_token_ms/", "perf/"))}

@@ -21,11 +21,8 @@ from vlgrpo.data.filtering import filter_split, load_filtered
 from vlgrpo.data.prompts import encode_prompts
 from vlgrpo.data.sources import load_processor
 from vlgrpo.errors import DataError
-from vlgrpo.policy import ForwardOptions, response_logprobs
+from vlgrpo.policy import response_logprobs
 from vlgrpo.rollout import SamplingParams
-from vlgrpo.rollout.hf import HFEngine
-from vlgrpo.rollout.sampling import sample_key
-from vlgrpo.rollout.static import StaticEngine
 from vlgrpo.tracking import read_metrics
 from vlgrpo.trainer import GRPOTrainer, run_segment
 
@@ -90,6 +87,9 @@ def test_a_text_family_passes_validation_and_its_processor_is_its_tokenizer(tmp_
     tokenizer = load_processor(str(folder))
     assert models.tokenizer(tokenizer) is tokenizer and not models.takes_images(tokenizer)
     assert tokenizer.padding_side == "left" and tokenizer.pad_token == "<|endoftext|>"
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "pad_token": None}))  # as Llama's tokenizers
+    assert load_processor(str(folder)).pad_token == "<|im_end|>"  # EasyR1's get_tokenizer: the EOS token
 
 
 def test_prompts_are_rendered_and_tokenized_as_easyr1_renders_text_rows(tmp_path):
@@ -157,32 +157,18 @@ def _prompts(trainer, n=2):
 
 
 def test_generation_logprobs_equal_training_and_fast_paths_equal_plain(text_trainer):
+    """Also: every text family but the MoE one runs the static engine, every one prefix sharing; a row's
+    positions start at its first real token, so a row alone gives the log-probs it gets beside others."""
     model_type, trainer = text_trainer
     family = models.family(model_type)
+    assert family.serves("worker.actor.prefix_sharing")
+    assert family.serves("worker.rollout.engine") == (model_type != "qwen3_moe")
     prompts = _prompts(trainer)
-    keys = torch.tensor([sample_key(1, 1, i) for i in range(len(prompts))])
-    out = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, SamplingParams(1.0, 1.0, 12), len(prompts))
+    out, plain = families.check_logprobs_and_engines(trainer, model_type, prompts)
     mask = out.response_mask.bool()
     with torch.no_grad():
-        plain = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0)
-        assert torch.allclose(plain[mask], out.logp[mask], atol=1e-5), (plain - out.logp).abs().max()
-        fast = ForwardOptions(prefix_sharing=family.serves("worker.actor.prefix_sharing"), logprobs_chunk_size=5)
-        shared = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, fast)
-    assert fast.prefix_sharing  # every text family shares prefixes
-    assert torch.allclose(shared[mask], plain[mask], atol=1e-5), (shared - plain).abs().max()
-    # each row's positions start at its first real token, so a row alone gives the same log-probs
-    alone = prompts.select([4, 5])
-    with torch.no_grad():
-        single = response_logprobs(trainer.policy, alone, out.responses[4:], out.response_mask[4:], 1.0)
+        single = response_logprobs(trainer.policy, prompts.select([4, 5]), out.responses[4:], out.response_mask[4:], 1.0)
     assert torch.allclose(single[mask[4:]], plain[4:][mask[4:]], atol=1e-5)
-    if family.serves("worker.rollout.engine"):
-        greedy = SamplingParams(0.0, 1.0, 12)
-        hf = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
-        static = StaticEngine(trainer.policy, trainer.processor, cuda_graph=False).generate(prompts, keys, greedy, len(prompts))
-        assert torch.equal(static.responses, hf.responses)
-        assert torch.allclose(static.logp, hf.logp, atol=1e-5)
-    else:
-        assert model_type == "qwen3_moe"
 
 
 def test_lora_on_a_text_model_trains_the_adapters_only(tmp_path):
@@ -205,19 +191,6 @@ def test_lora_on_a_text_model_trains_the_adapters_only(tmp_path):
     assert moved and all(lora.is_adapter(n) for n in moved)
 
 
-def _store_weights(cfg, step):
-    from safetensors.torch import load_file
-
-    from vlgrpo.checkpoint import CheckpointStore
-
-    folder = CheckpointStore(paths.path(paths.CHECKPOINTS, config.experiment_dir(cfg))).model_dir(step)
-    return {k: v for f in sorted(folder.glob("model*.safetensors")) for k, v in load_file(f).items()}
-
-
-def _deterministic(record):
-    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "timing_per_token_ms/", "perf/"))}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", TEXT)
 def test_two_steps_checkpoint_bitwise_resume_and_validation(model_type, tmp_path):
@@ -227,11 +200,11 @@ def test_two_steps_checkpoint_bitwise_resume_and_validation(model_type, tmp_path
     halves = filtered(text_experiment(tmp_path / "halves", folder, {"trainer": {"save_freq": 1}}))
     for end in (1, 2):  # a checkpoint at step 1, then a resume from it
         run_segment(halves, end, paths.path(paths.MARKER, config.experiment_dir(halves), step=end))
-    records = [[_deterministic(r) for r in read_metrics(paths.path(paths.METRICS, config.experiment_dir(c)))]
+    records = [[families.deterministic(r) for r in read_metrics(paths.path(paths.METRICS, config.experiment_dir(c)))]
                for c in (straight, halves)]
     assert [r["step"] for r in records[0]] == [1, 2] and records[1] == records[0]
     assert {"actor/pg_loss", "actor/kl_loss", "reward/overall", "response_length/mean"} <= set(records[0][0])
-    a, b = _store_weights(straight, 2), _store_weights(halves, 2)
+    a, b = families.checkpoint_weights(straight, 2), families.checkpoint_weights(halves, 2)
     assert a and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), model_type
     validated = json.loads(paths.path(paths.VAL_IN_PROCESS, config.experiment_dir(straight), step=2).read_text())
     assert validated["step"] == 2 and 0 <= validated["val/accuracy_reward"] <= 1

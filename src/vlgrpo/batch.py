@@ -33,7 +33,7 @@ class PromptBatch:
     attention_mask: torch.Tensor  # (N, P)
     mm_token_type_ids: torch.Tensor | None  # (N, P) 1 on image tokens (transformers 5), else None
     pixel_values: torch.Tensor | None  # (sum of patches over all images, D); None without images or where only the grids are kept
-    image_grid_thw: torch.Tensor | None  # (num images, 3); (0, 3) for text-only rows
+    image_grid_thw: torch.Tensor | None  # (num images, 3); (0, 3) for text-only rows; None for a text-only model
     num_images: torch.Tensor  # (N,) images of each row, in order; stays on the CPU
     prompt_ids: torch.Tensor  # (N,) the encoded prompt each row is a copy of (selects keep it); stays on the CPU
     images: list[list] | None = None  # (N,) each row's PIL images, for engines that process them themselves (vllm)

@@ -4,7 +4,9 @@ A family is a transformers `model_type` (read from the model's config.json, loca
 id). Each has a Family record: whether it sees images and at what pixel factor, how its vision
 tower is reached, which fast paths compute for it what the plain path computes, and why not where
 one cannot. Everything else (data sizing, policy loading and forwards, rollout engines, the
-benchmark's random model) asks this module instead of branching on a model_type.
+benchmark's random model) asks this module instead of branching on a model_type. A text-only
+family's processor is its tokenizer (`tokenizer`, `takes_images`) and its rope positions are 1-D
+(`text_positions`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """Tiny random models of each family: the real config of ../shared/data/<folder> shrunk to a few
 layers of a few units (token ids, vocabulary, rope kind, deepstack, layer kinds kept), saved beside
-the real processor, tokenizer and chat template."""
+the real processor, tokenizer and chat template. Text-only families: Qwen3-4B-Instruct-2507's config
+(qwen3) or transformers' config class with its vocabulary and token ids (qwen2, qwen3_moe, llama),
+beside its tokenizer and chat template."""
 
 import json
 import shutil
 from pathlib import Path
 
 import torch
+import transformers
 
 from conftest import SHARED
 from vlgrpo import models
@@ -18,7 +21,12 @@ FOLDERS = {
     "qwen3_vl": "qwen3_vl_4b",
     "qwen3_vl_moe": "qwen3_vl_4b",
     "qwen3_5": "qwen3_5_0_8b",
+    "qwen3": "qwen3_4b",
+    "qwen2": "qwen3_4b",
+    "qwen3_moe": "qwen3_4b",
+    "llama": "qwen3_4b",
 }
+TEXT_CLASSES = {"qwen2": "Qwen2Config", "qwen3_moe": "Qwen3MoeConfig", "llama": "LlamaConfig"}  # qwen3: the real config
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
 
@@ -48,6 +56,13 @@ def tiny_config(model_type: str, head_dim: int = HEAD_DIM) -> dict:
     """The shrunk config.json of `model_type` (from its shared folder's real one). head_dim: the text
     model's (vLLM's CPU attention takes 32 and up)."""
     config = json.loads((SHARED / FOLDERS[model_type] / "config.json").read_text())
+    if model_type in TEXT_CLASSES:  # the real Qwen3-4B's vocabulary and token ids in another family's config
+        tokens = {k: config[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "tie_word_embeddings")}
+        config = getattr(transformers, TEXT_CLASSES[model_type])(**tokens, **(MOE if model_type == "qwen3_moe" else {})).to_dict()
+        config.pop("layer_types", None)  # all full attention: rebuilt for the shrunk depth
+    if not models.family(model_type).vision:
+        _shrink_text(config)
+        return config
     if model_type == "qwen3_vl_moe":  # Qwen3-VL-30B-A3B's layout on Qwen3-VL-4B's tokens
         config.update(model_type="qwen3_vl_moe", architectures=["Qwen3VLMoeForConditionalGeneration"])
         config["text_config"].update(model_type="qwen3_vl_moe_text", **MOE)
@@ -83,3 +98,48 @@ def build(model_type: str, folder: Path, seed: int = 0, weights: bool = True, he
         model = models.model_class(fam).from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
         model.save_pretrained(folder)
     return folder
+
+
+def check_logprobs_and_engines(trainer, model_type: str, prompts):
+    """On `trainer`'s policy: sampled log-probs equal the training forward's, the fast paths the family
+    serves (prefix sharing, chunked log-probs) equal the plain forward, and where it serves the static
+    engine, its greedy tokens equal the hf engine's. Returns (the hf rollout, plain log-probs)."""
+    from vlgrpo.policy import ForwardOptions, response_logprobs
+    from vlgrpo.rollout import SamplingParams
+    from vlgrpo.rollout.hf import HFEngine
+    from vlgrpo.rollout.sampling import sample_key
+    from vlgrpo.rollout.static import StaticEngine
+
+    family = models.family(model_type)
+    keys = torch.tensor([sample_key(1, 1, i) for i in range(len(prompts))])
+    out = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, SamplingParams(1.0, 1.0, 12), len(prompts))
+    mask = out.response_mask.bool()
+    with torch.no_grad():
+        plain = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0)
+        fast = ForwardOptions(prefix_sharing=family.serves("worker.actor.prefix_sharing"), logprobs_chunk_size=5)
+        shared = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, fast)
+    assert torch.allclose(plain[mask], out.logp[mask], atol=1e-5), (plain - out.logp).abs().max()
+    assert torch.allclose(shared[mask], plain[mask], atol=1e-5), (shared - plain).abs().max()
+    if family.serves("worker.rollout.engine"):
+        greedy = SamplingParams(0.0, 1.0, 12)
+        hf = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
+        static = StaticEngine(trainer.policy, trainer.processor, cuda_graph=False).generate(prompts, keys, greedy, len(prompts))
+        assert torch.equal(static.responses, hf.responses)
+        assert torch.allclose(static.logp, hf.logp, atol=1e-5)
+    return out, plain
+
+
+def checkpoint_weights(cfg: dict, step: int) -> dict:
+    """The model tensors of checkpoint `step` in `cfg`'s experiment."""
+    from safetensors.torch import load_file
+
+    from vlgrpo import config, paths
+    from vlgrpo.checkpoint import CheckpointStore
+
+    folder = CheckpointStore(paths.path(paths.CHECKPOINTS, config.experiment_dir(cfg))).model_dir(step)
+    return {k: v for f in sorted(folder.glob("model*.safetensors")) for k, v in load_file(f).items()}
+
+
+def deterministic(record: dict) -> dict:
+    """A metrics record without its wall-clock figures."""
+    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "timing_per_token_ms/", "perf/"))}

@@ -65,7 +65,7 @@ RUNTIME_REFUSALS = {
     r"refus\w* checkpoint|checkpoints/refused/|refused checkpoint": "test_a_corrupt_checkpoint_is_set_aside_said_on_the_console_and_not_kept",
     r"unlock-stale` refuses while|It refuses otherwise, naming what still runs": "test_a_job_of_the_killed_run_that_still_runs_keeps_the_lock",
     r"refused where the swanlab package is not installed": "test_a_logger_whose_package_is_missing_is_refused_by_name",
-    r"family is not supported, or whose `config.json` has no `model_type`|[Tt]ext-only (families|LMs) (are recognised and )?refused":
+    r"family is not supported, or whose `config.json` has no `model_type`":
         "test_unsupported_family_or_missing_model_type_stops_at_parse_time",
     # docs/from-easyr1.md: the key table is made from the converter's mapping, whose listing a test checks.
     r"^\| `[\w.*]+` \|.*\| .*(not supported|not implemented|refused)|\*not supported\*|\"NOT SUPPORTED\"|other values$|are not supported\), \*no effect\*":

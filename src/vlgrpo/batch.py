@@ -33,18 +33,19 @@ class PromptBatch:
     attention_mask: torch.Tensor  # (N, P)
     mm_token_type_ids: torch.Tensor | None  # (N, P) 1 on image tokens (transformers 5), else None
     pixel_values: torch.Tensor | None  # (sum of patches over all images, D); None without images or where only the grids are kept
-    image_grid_thw: torch.Tensor | None  # (num images, 3); (0, 3) for text-only rows
+    image_grid_thw: torch.Tensor | None  # (num images, 3); (0, 3) for text-only rows; None for a text-only model
     num_images: torch.Tensor  # (N,) images of each row, in order; stays on the CPU
     prompt_ids: torch.Tensor  # (N,) the encoded prompt each row is a copy of (selects keep it); stays on the CPU
     images: list[list] | None = None  # (N,) each row's PIL images, for engines that process them themselves (vllm)
 
     @classmethod
-    def from_processor(cls, enc, num_images: list[int], images: list[list] | None = None) -> "PromptBatch":
+    def from_processor(cls, enc, num_images: list[int], images: list[list] | None = None, vision: bool = True) -> "PromptBatch":
         """Wrap the BatchFeature returned by a Qwen2.5-VL processor (left padding); images: the rows' images.
 
         Rows without images (text-only) may be any of them: a batch of them alone gets an empty grid,
         so the model still computes each row's rope positions from its first real token, as a
         text-only row in a batch with images gets them (and as EasyR1 gives them, row by row).
+        vision=False: a text-only model's tokenizer output (no grid at all: its forward takes none).
         """
         grid = enc.get("image_grid_thw")
         return cls(
@@ -52,7 +53,7 @@ class PromptBatch:
             attention_mask=enc["attention_mask"],
             mm_token_type_ids=enc.get("mm_token_type_ids"),
             pixel_values=enc.get("pixel_values"),
-            image_grid_thw=torch.zeros((0, 3), dtype=torch.long) if grid is None else grid,
+            image_grid_thw=torch.zeros((0, 3), dtype=torch.long) if grid is None and vision else grid,
             num_images=torch.tensor(num_images, dtype=torch.long),
             prompt_ids=torch.arange(len(num_images)),
             images=images,

@@ -102,27 +102,31 @@ def forward_flops(model_config, prompt_tokens: list[int], image_patches: list[in
     head on response positions. Vision: 2 x linear params per patch, windowed attention over
     `window` patches (full attention in fullatt blocks; every block where the tower has no windows),
     the 2x2 merger. Every text layer counts as dense softmax attention (linear-attention and MoE
-    layers are counted as such).
+    layers are counted as such). A text-only model's config has no vision part (image_patches are 0).
     """
-    t, v = model_config.text_config, model_config.vision_config
+    t, v = model_config.get_text_config(), getattr(model_config, "vision_config", None)
     d = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
     text_linear = t.num_hidden_layers * (2 * t.hidden_size * t.num_attention_heads * d
                                          + 2 * t.hidden_size * t.num_key_value_heads * d + 3 * t.hidden_size * t.intermediate_size)
     attn = 2 * t.num_hidden_layers * t.num_attention_heads * d  # x S^2 (causal)
-    vision_linear = v.depth * (4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size)
-    window_size = getattr(v, "window_size", None)  # Qwen2.5-VL's windowed tower; the others attend over whole images
-    window = (window_size // v.patch_size) ** 2 if window_size else 0
-    full_layers = len(v.fullatt_block_indexes) if window_size else v.depth
-    merger = 4 * v.hidden_size * (4 * v.hidden_size + v.out_hidden_size) / 4  # params per patch
     total = 0.0
     for p, patches in zip(prompt_tokens, image_patches):
         r = response_tokens
         prompt = 2 * text_linear * p + attn * p * p
         responses = n * (2 * text_linear * r + attn * (2 * p * r + r * r) + 2 * t.hidden_size * t.vocab_size * r)
-        vision = (2 * (vision_linear + merger) * patches
-                  + 4 * v.hidden_size * patches * ((v.depth - full_layers) * window + full_layers * patches))
-        total += prompt + responses + vision
+        total += prompt + responses + (_vision_flops(v, patches) if v is not None else 0.0)
     return total
+
+
+def _vision_flops(v, patches: int) -> float:
+    """Matmul FLOPs of the vision tower (config `v`) over one prompt's `patches` (forward_flops)."""
+    vision_linear = v.depth * (4 * v.hidden_size**2 + 3 * v.hidden_size * v.intermediate_size)
+    window_size = getattr(v, "window_size", None)  # Qwen2.5-VL's windowed tower; the others attend over whole images
+    window = (window_size // v.patch_size) ** 2 if window_size else 0
+    full_layers = len(v.fullatt_block_indexes) if window_size else v.depth
+    merger = 4 * v.hidden_size * (4 * v.hidden_size + v.out_hidden_size) / 4  # params per patch
+    return (2 * (vision_linear + merger) * patches
+            + 4 * v.hidden_size * patches * ((v.depth - full_layers) * window + full_layers * patches))
 
 
 def step_flops(trainer: GRPOTrainer, step: int, response_tokens: float) -> float:
@@ -134,10 +138,10 @@ def step_flops(trainer: GRPOTrainer, step: int, response_tokens: float) -> float
     rows = [trainer.rows[i] for i in trainer.batch_indices(step)]
     enc = encode_prompts(trainer.processor, rows, trainer.device)  # only lengths and grids are read
     prompt_tokens = enc["attention_mask"].sum(-1).tolist()
-    patches, first = enc["image_grid_thw"].prod(-1).tolist(), [0]
+    patches, first = enc["image_grid_thw"].prod(-1).tolist() if "image_grid_thw" in enc else [], [0]
     for r in rows:
         first.append(first[-1] + len(r["images"]))
-    per_row = [sum(patches[first[k] : first[k + 1]]) for k in range(len(rows))]
+    per_row = [sum(patches[first[k] : first[k + 1]]) for k in range(len(rows))]  # 0 for text rows
     actor = cfg["worker"]["actor"]
     old = 1 - min(actor["global_batch_size"], len(rows)) / len(rows) if trainer.old_from_update else 1
     forwards = 1 + old + (trainer.ref is not None) + 3 * actor["ppo_epochs"]
@@ -208,7 +212,7 @@ def greedy_check(trainer: GRPOTrainer, prompts_count: int = 4, tokens: int = 64)
     """Greedy tokens of the configured engine against the hf engine on the same weights."""
     rows = trainer.rows[:prompts_count]
     enc = encode_prompts(trainer.processor, rows, trainer.device)  # as the step encodes them
-    prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows]).repeat_interleave(2)
+    prompts = PromptBatch.from_processor(enc, [len(r["images"]) for r in rows], vision=models.takes_images(trainer.processor)).repeat_interleave(2)
     keys, params = torch.arange(len(prompts)), SamplingParams(0.0, 1.0, tokens, ignore_eos=True)
     with distributed.gathered(trainer.policy):  # under torchrun the policy is sharded
         fast = trainer.engine.generate(prompts, keys, params, batch_size=len(prompts)).responses

@@ -226,12 +226,9 @@ def _refuse_unsupported_model(cfg: dict) -> None:
 
     if Path(cfg["model"]["path"]).expanduser().is_dir():
         try:
-            fam = models.family_of(cfg["model"]["path"])
+            models.family_of(cfg["model"]["path"])
         except DataError as e:
             raise ConfigError(f"'model.path': {e}") from None
-        if not fam.vision:
-            raise ConfigError(f"'model.path': {fam.title} is a text-only family, which this version does not train yet; "
-                              f"vision-language families: {', '.join(k for k, f in models.FAMILIES.items() if f.vision)}")
 
 
 _UNSUPPORTED = (_refuse_unsupported_multi_process, _refuse_unsupported_algorithms, _refuse_unsupported_model)

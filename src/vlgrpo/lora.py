@@ -88,8 +88,11 @@ def is_adapter(name: str) -> bool:
 
 
 def set_trainable(model, freeze_vision_tower: bool) -> None:
-    """Only the adapters train (those on the vision tower too, unless it is frozen)."""
-    visual = {id(p) for p in model.model.visual.parameters()}
+    """Only the adapters train (those on the vision tower too, unless it is frozen; a text-only model has none)."""
+    from vlgrpo import models
+
+    tower = models.vision_tower(model)
+    visual = {id(p) for p in tower.parameters()} if tower is not None else set()
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name) and not (freeze_vision_tower and id(p) in visual))
 

@@ -16,6 +16,8 @@ Speed switches (ForwardOptions, all off by default and none changes the result b
 - dynamic batching (micro_batches): micro-batches sized by a padded-token budget.
 The prefix forward (prefix sharing, the static engine's prefill) takes Qwen2.5-VL's rope positions
 and vision indices computed on the CPU (multimodal_index): the same values, no host reads on the GPU.
+A text-only model (models.Family.vision false) gets 1-D rope positions from each row's first real
+token in every forward (models.text_positions), as EasyR1 and transformers' generate give them.
 """
 
 from __future__ import annotations
@@ -284,10 +286,10 @@ def prefix_forward(model, prompts: PromptBatch, host: PromptBatch) -> Prefix:
     host: the same rows on the CPU (pixel values may be left out): rope positions and vision
     indices are computed from it (multimodal_index), so the forward queues its work without waits.
     """
-    width = prompts.input_ids.shape[1]
-    if prompts.image_grid_thw is None:  # text only: 1-D positions run over the padding
-        out = model.model(**prompts.model_inputs(), use_cache=True)
-        next_position = torch.full((len(prompts),), width, device=prompts.input_ids.device)
+    positions = models.text_positions(model, prompts.attention_mask)
+    if positions is not None:  # a text-only model: 1-D rope from each row's first real token
+        out = model.model(**prompts.model_inputs(), position_ids=positions, use_cache=True)
+        next_position = prompts.attention_mask.sum(-1)
     else:  # text after the prompt continues from its largest 3-D position (rope_deltas + valid length)
         out, deltas = _multimodal_forward(model, prompts, host)
         next_position = deltas + prompts.attention_mask.sum(-1)
@@ -310,8 +312,10 @@ def _shared_prefix_hidden(model, unique: PromptBatch, host: PromptBatch, source,
         cache.update(layer.keys.index_select(0, source), layer.values.index_select(0, source), i)
     mask = torch.cat([prefix.attention_mask.index_select(0, source), response_mask], dim=1)
     positions = prefix.next_position.index_select(0, source)[:, None] + torch.arange(responses.shape[1], device=responses.device)
+    if models.family_of_model(model).vision:  # text after the prompt: the three mrope axes are equal
+        positions = positions[None].expand(3, -1, -1)
     out = lm(
-        input_ids=responses, attention_mask=mask, position_ids=positions[None].expand(3, -1, -1),
+        input_ids=responses, attention_mask=mask, position_ids=positions,
         use_cache=True, **{_cache_kwarg(lm): cache},
     )
     return torch.cat([prefix.last_hidden.index_select(0, source)[:, None], out.last_hidden_state[:, :-1]], dim=1)
@@ -376,6 +380,9 @@ def _response_logprobs(model, prompts, responses, response_mask, temperature, op
             inputs["mm_token_type_ids"] = torch.cat(
                 [inputs["mm_token_type_ids"], torch.zeros_like(responses, dtype=inputs["mm_token_type_ids"].dtype)], dim=1
             )
+        positions = models.text_positions(model, inputs["attention_mask"])
+        if positions is not None:
+            inputs["position_ids"] = positions
         hidden = model.model(**inputs, use_cache=False).last_hidden_state[:, -(width + 1) : -1]  # (N, R, H)
     logp = token_logprobs(model.lm_head, hidden, responses, temperature, options.logprobs_chunk_size) * response_mask
     return F.pad(logp, (0, full_width - width))

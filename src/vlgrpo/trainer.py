@@ -344,7 +344,7 @@ class GRPOTrainer:
         started = time.perf_counter()
         prompts = encode_batch(self.processor, kept_rows, n, self.device)  # one padding for the whole batch
         timing["encode"] += time.perf_counter() - started
-        out = concat_rollouts(kept_out, self.processor.tokenizer.pad_token_id)
+        out = concat_rollouts(kept_out, models.tokenizer(self.processor).pad_token_id)
         info = {"batch/num_try_make_batch": attempt, "batch/num_prompts_tried": len(every_score) // n,
                 **{f"reward/{k}": sum(s[k] for s in every_score) / len(every_score) for k in ("overall", "format", "accuracy")}}
         return kept_rows, prompts, out, Graded(kept_scores, errors), timing, info

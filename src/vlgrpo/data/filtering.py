@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from transformers import ProcessorMixin
 
-from vlgrpo import atomic
+from vlgrpo import atomic, models
 from vlgrpo.data.images import (
     ResizeMismatchError,
     check_image_grid,
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 # Why a row is dropped; a dropped row counts under the first check it fails.
 DROP_REASONS = (
+    "text_only_model",  # an image or video row for a model that takes no images (models.Family.vision)
     "problem_empty",
     "answer_empty",
     "image_missing",
@@ -101,6 +102,7 @@ class _FilterSettings:
     processor_pixels: tuple[int, int]
     max_prompt_length: int
     drop_overlong: bool
+    text_only_model: str = ""  # the family's title where it takes no images (its image and video rows are dropped)
 
 
 class _Dropped(Exception):
@@ -170,7 +172,7 @@ def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSetti
             images.append(resize_image(image, s.min_pixels, s.max_pixels, s.processor_pixels, image_factor(processor)))
         except ValueError as e:
             raise _Dropped("image_size_unsupported", str(e)) from e
-    prompt = render_prompt(processor, problem, s.template, vision=s.has_image_column)
+    prompt = render_prompt(processor, problem, s.template, vision=s.has_image_column and not s.text_only_model)
     try:
         prompt_length = count_prompt_tokens(processor, prompt, images)
         full = processor(images=images or None, text=[prompt], add_special_tokens=False) if verify else None
@@ -216,6 +218,8 @@ def _filter_range(bounds: tuple[int, int]) -> list[tuple[int, str, dict | None, 
     for index, row in enumerate(rows, start):
         kind = _row_kind(row, settings)
         try:
+            if kind != "text" and settings.text_only_model:
+                raise _Dropped("text_only_model", f"a {kind} row; {settings.text_only_model} is a text-only model, it takes no {kind}s")
             if kind == "video":
                 raise _Dropped("video_unsupported", f"a {VIDEO_PLACEHOLDER!r} placeholder or {VIDEO_COLUMN!r}; video rows are not trained yet")
             # The first row of each range is checked against the full processor call.
@@ -286,6 +290,7 @@ def filter_split(
     # Fail on a bad model, template or source before any per-row work.
     processor = load_processor(cfg["model"]["path"])
     override_chat_template(processor, data["override_chat_template"])
+    family = models.family_of(cfg["model"]["path"])
     settings = _FilterSettings(
         image_key=data["image_key"],
         image_dir=data["image_dir"],
@@ -295,9 +300,10 @@ def filter_split(
         template=data["format_prompt"],
         min_pixels=data["min_pixels"],
         max_pixels=data["max_pixels"],
-        processor_pixels=processor_pixel_bounds(processor),
+        processor_pixels=processor_pixel_bounds(processor) if family.vision else (0, 0),
         max_prompt_length=data["max_prompt_length"],
         drop_overlong=data["filter_overlong_prompts"],
+        text_only_model="" if family.vision else family.title,
     )
     format_template(settings.template)
     ds = load_split(data[split], settings.image_key, settings.prompt_key, settings.answer_key)

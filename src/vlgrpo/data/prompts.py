@@ -19,6 +19,7 @@ from PIL import Image
 from transformers import BatchFeature, ProcessorMixin
 
 from vlgrpo.data.images import ResizeMismatchError, check_image_grid, decode_images, image_factor, image_tokens
+from vlgrpo import models
 from vlgrpo.errors import DataError
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -72,7 +73,7 @@ def render_prompt(processor: ProcessorMixin, problem: str, template: str, vision
     """
     if not vision:
         messages = [{"role": "user", "content": format_prompt(problem, template)}]
-        return processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return models.tokenizer(processor).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     messages = chat_messages(format_prompt(problem, template))
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
@@ -83,10 +84,13 @@ def count_prompt_tokens(processor: ProcessorMixin, prompt: str, images: list[Ima
     The processor replaces each <|image_pad|> with one token per 2x2 patch group of its image; the
     tokenizer and the image processor's own patch count give the same total (the filter checks this
     against a full processor call on a sample of rows). Raises ResizeMismatchError if the processor
-    would resize an image, ValueError if placeholders and images disagree.
+    would resize an image, ValueError if placeholders and images disagree. A text-only model's
+    processor is its tokenizer: the count is its tokens, as EasyR1 counts them.
     """
+    ids = models.tokenizer(processor)(prompt, add_special_tokens=False)["input_ids"]
+    if not models.takes_images(processor):
+        return len(ids)
     image_processor = processor.image_processor
-    ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
     placeholders = ids.count(processor.image_token_id)
     if placeholders != len(images):
         raise ValueError(f"{placeholders} image placeholders in the prompt for {len(images)} images")
@@ -122,14 +126,18 @@ def encode_prompts(
         raise ValueError("encode_prompts needs at least one row")
     images = [im for row in rows for im in row["images"]]  # in prompt order: the processor fills placeholders so
     decode_images(images)
+    vision = models.takes_images(processor)  # else a text-only model's tokenizer
+    if images and not vision:  # never trained as text: the filter drops such rows for a text-only model
+        raise DataError(f"{len(images)} images in rows given to a text-only model ({type(processor).__name__}): "
+                        "filter the split with this model.path (it drops image rows as 'text_only_model')")
     inputs = processor(
         text=[row["prompt"] for row in rows],
-        images=images or None,  # text-only rows have none
+        **({"images": images or None} if vision else {}),  # text-only rows have none
         padding=True,
         padding_side="left",
         add_special_tokens=False,
         return_tensors="pt",
-        **({} if device is None else {"device": device}),
+        **({} if device is None or not vision else {"device": device}),
     )
     if images:
         check_image_grid(images, inputs["image_grid_thw"], processor.image_processor.patch_size)

@@ -11,7 +11,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from transformers import AutoProcessor, ProcessorMixin
+from transformers import AutoProcessor, AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin
 
 from vlgrpo import models
 from vlgrpo.errors import DataError
@@ -198,8 +198,10 @@ def check_hub_model(model_id: str) -> bool:
                         f"({type(e).__name__}: {e}) nor does this machine's hub cache hold it; {fix}") from None
 
 
-def load_processor(model_path: str) -> ProcessorMixin:
-    """The model's processor, with its own pixel bounds (as EasyR1 loads it) and left padding.
+def load_processor(model_path: str) -> ProcessorMixin | PreTrainedTokenizerBase:
+    """The model's processor, with its own pixel bounds (as EasyR1 loads it) and left padding; for a
+    text-only family its tokenizer (AutoTokenizer; EasyR1 has no processor for such a model), with
+    EasyR1's pad token where it has none (the EOS token). models.tokenizer reads the tokenizer of either.
 
     Its bounds (preprocessor_config.json) are the ones `images.model_image_size` snaps with, so it
     leaves the filter's images unchanged. A local-looking path is checked first
@@ -211,16 +213,19 @@ def load_processor(model_path: str) -> ProcessorMixin:
         check_model_folder(model_path)
         model_path = str(Path(model_path).expanduser())
     cache_only = not local and not check_hub_model(model_path)
+    fam = models.family_of(model_path)
     try:
-        processor = AutoProcessor.from_pretrained(model_path, local_files_only=cache_only)
+        loader = AutoProcessor if fam.vision else AutoTokenizer
+        processor = loader.from_pretrained(model_path, local_files_only=cache_only)
     except Exception as e:  # say which folder or hub id, and how loading failed
         if isinstance(e, OSError) and not local:
             raise DataError(f"model.path {model_path!r} is neither a local model folder nor a reachable hub id: {e}") from e
         raise _load_error(model_path, e) from e
-    fam = models.family_of(model_path)
-    if not fam.vision:  # a refusal to be deleted by the change that trains text rows
-        raise DataError(f"{model_path}: {fam.title} is a text-only family; this version trains vision-language "
-                        f"families only ({', '.join(k for k, f in models.FAMILIES.items() if f.vision)})")
+    if not fam.vision:
+        if processor.pad_token_id is None:  # as EasyR1's get_tokenizer (Llama's tokenizers have none)
+            processor.pad_token = processor.eos_token
+        processor.padding_side = "left"
+        return processor
     image_processor = getattr(processor, "image_processor", None)
     if image_processor is None or getattr(processor, "tokenizer", None) is None:
         raise DataError(f"{model_path}: loaded {type(processor).__name__}, not a vision-language processor")
@@ -240,7 +245,7 @@ def override_chat_template(processor: ProcessorMixin, template_file: str | None)
     path = Path(template_file).expanduser()
     if not path.is_file():
         raise DataError(f"data.override_chat_template: no such file {template_file}")
-    processor.chat_template = processor.tokenizer.chat_template = path.read_text(encoding="utf-8")
+    processor.chat_template = models.tokenizer(processor).chat_template = path.read_text(encoding="utf-8")
 
 
 def _load_error(model_path: str, e: Exception) -> DataError:

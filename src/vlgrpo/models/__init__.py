@@ -4,7 +4,9 @@ A family is a transformers `model_type` (read from the model's config.json, loca
 id). Each has a Family record: whether it sees images and at what pixel factor, how its vision
 tower is reached, which fast paths compute for it what the plain path computes, and why not where
 one cannot. Everything else (data sizing, policy loading and forwards, rollout engines, the
-benchmark's random model) asks this module instead of branching on a model_type.
+benchmark's random model) asks this module instead of branching on a model_type. A text-only
+family's processor is its tokenizer (`tokenizer`, `takes_images`) and its rope positions are 1-D
+(`text_positions`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ _PREFIX = "worker.actor.prefix_sharing"
 _PACKED = "model.packed_vision_attention"
 _FUSED = "model.fused_rms_norm"
 _NOT_WINDOWED = "packed vision attention is built for Qwen2.5-VL's windowed vision tower"
+_NO_TOWER = "a text-only model has no vision tower"
 _LINEAR = "its Gated DeltaNet layers keep a recurrent state, which the prefix cache and the static decode step do not build"
 
 FAMILIES = {
@@ -61,11 +64,12 @@ FAMILIES = {
                linear_attention=True, moe=True,
                cannot={_PACKED: _NOT_WINDOWED, _STATIC: _LINEAR, _PREFIX: _LINEAR,
                        _FUSED: "its RMSNorm scales by (1 + weight), which F.rms_norm does not"}),
-        Family("qwen2", "Qwen2 / Qwen2.5 (text)", vision=False),
-        Family("qwen3", "Qwen3 (text)", vision=False),
+        # Text-only causal LMs: AutoModelForCausalLM, text rows, 1-D rope (text_positions).
+        Family("qwen2", "Qwen2 / Qwen2.5 (text)", vision=False, cannot={_PACKED: _NO_TOWER}),
+        Family("qwen3", "Qwen3 (text)", vision=False, cannot={_PACKED: _NO_TOWER}),
         Family("qwen3_moe", "Qwen3-MoE (text)", vision=False, moe=True,
-               cannot={_STATIC: "the static decode step does not route MoE MLPs yet"}),
-        Family("llama", "Llama (text)", vision=False),
+               cannot={_PACKED: _NO_TOWER, _STATIC: "the static decode step does not route MoE MLPs yet"}),
+        Family("llama", "Llama (text)", vision=False, cannot={_PACKED: _NO_TOWER}),
     )
 }
 
@@ -129,6 +133,26 @@ def text_model(model):
 def vision_tower(model):
     """The vision tower of a vision-language model; None for a text-only one."""
     return getattr(model.model, "visual", None)
+
+
+def tokenizer(processor):
+    """The tokenizer of `processor`: a vision-language processor's own, or the processor itself for a
+    text-only model (data.sources.load_processor gives such a model its tokenizer, as EasyR1 does)."""
+    return getattr(processor, "tokenizer", processor)
+
+
+def takes_images(processor) -> bool:
+    """Whether `processor` is a vision-language model's (it has an image processor)."""
+    return getattr(processor, "image_processor", None) is not None
+
+
+def text_positions(model, attention_mask):
+    """Rope positions a text-only model is given over left-padded rows, as EasyR1 gives them and
+    transformers' generate makes them: 0 at each row's first real token, padding at 0. (N, L) long.
+    None for a vision-language family: its own forward derives 3-D mrope positions from the batch."""
+    if family_of_model(model).vision:
+        return None
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def limit_fast_paths(settings: dict, cfg: dict, fam: Family) -> dict:

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from vlgrpo import distributed
+from vlgrpo import distributed, models
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.prompts import encode_prompts
 from vlgrpo.errors import VlgrpoError
@@ -47,7 +47,8 @@ def select_rollout(out: Rollout, rows: list[int]) -> Rollout:
 def encode_batch(processor, rows: list[dict], n: int, device: torch.device) -> PromptBatch:
     """The PromptBatch of `rows`, each prompt repeated n times in a row (len(rows) * n rows)."""
     enc = encode_prompts(processor, rows, device)  # pixels made on the model's device: no host copies on a GPU
-    return PromptBatch.from_processor(enc, [len(r["images"]) for r in rows], [r["images"] for r in rows]).repeat_interleave(n)
+    return PromptBatch.from_processor(enc, [len(r["images"]) for r in rows], [r["images"] for r in rows],
+                                      vision=models.takes_images(processor)).repeat_interleave(n)
 
 
 class Graded:
@@ -107,7 +108,7 @@ def generate_and_grade(
         mine = [p * n + j for p in distributed.share(len(rows)) for j in range(n)]
         with distributed.gathered(model):
             local = engine.generate(prompts.select(mine), keys[mine], params, batch_size=batch_size, progress=progress)
-        out = concat_rollouts(distributed.gather_objects(local), processor.tokenizer.pad_token_id)
+        out = concat_rollouts(distributed.gather_objects(local), models.tokenizer(processor).pad_token_id)
         generated = time.perf_counter()
         grading = GatheredGrading(Grading(reward_fn, local.texts, [answers[i] for i in mine], lengths=local.lengths.tolist()))
     timing = {"encode": encoded - start, "generation": generated - encoded, "grading": time.perf_counter() - generated}

@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from vlgrpo import models
 from vlgrpo.batch import PromptBatch
 from vlgrpo.rollout import Rollout, SamplingParams
 from vlgrpo.rollout.sampling import keyed_sample
@@ -70,7 +71,7 @@ def finish_rollout(responses, logp, eos: list[int], pad_id: int, tokenizer, igno
 
 class HFEngine:
     def __init__(self, model, processor):
-        self.model, self.tokenizer = model, processor.tokenizer
+        self.model, self.tokenizer = model, models.tokenizer(processor)
         self.eos_ids = eos_ids(model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id
         self.banned = banned_tokens(self.tokenizer, model.get_output_embeddings().weight.shape[0])

@@ -7,7 +7,8 @@ masking: HFEngine.generate does the chunking and the masking), built for speed o
   static cache one row per sample, right-aligned at the prompt width, and the first token is
   sampled from its last logits;
 - decode: one step embeds the last token, applies rope at the row's next text position (the three
-  Qwen2.5-VL rope axes are equal for text after the prompt, so this is plain rope), writes the new
+  Qwen2.5-VL rope axes are equal for text after the prompt, so this is plain rope, as a text-only
+  model's is), writes the new
   key/value into the cache, attends over the whole cache under a row mask, runs the model's own
   projections, MLPs and LM head, its RMSNorms as one fused call each (F.rms_norm: float32 inside,
   one rounding instead of two in bf16), and samples the next token with keyed_sample, all on the

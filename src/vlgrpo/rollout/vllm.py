@@ -32,7 +32,7 @@ import vllm
 from transformers import AutoTokenizer
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
-from vlgrpo import lora
+from vlgrpo import lora, models
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.images import processor_pixel_bounds
 from vlgrpo.errors import VlgrpoError
@@ -114,14 +114,15 @@ class VLLMEngine:
         archs = getattr(model.config, "architectures", None) or [type(model).__name__]
         if not set(archs) & set(vllm.ModelRegistry.get_supported_archs()):
             raise VLLMError(f"model.path {path!r}: architecture {archs} is not supported by vLLM {vllm.__version__}")
-        self.model, self.tokenizer = model, processor.tokenizer
+        self.model, self.tokenizer = model, models.tokenizer(processor)
         self.eos_ids, self.pad_id = eos_ids(model, self.tokenizer), self.tokenizer.pad_token_id
-        self.image_token = model.config.image_token_id
+        self.vision = models.family_of_model(model).vision  # a text-only model: token ids alone, no multimodal limits
+        self.image_token = model.config.image_token_id if self.vision else None
         rollout, data = cfg["worker"]["rollout"], cfg["data"]
         self.sleeps = model.device.type == "cuda"  # vLLM's sleep mode exists on CUDA (and ROCm, XPU) only
         # the images arrive sized by vlgrpo.data.images.model_image_size; vLLM's processor snaps them with
         # the same bounds as the hf processor, so it leaves them as they are (token counts checked in generate)
-        min_pixels, max_pixels = processor_pixel_bounds(processor)
+        min_pixels, max_pixels = processor_pixel_bounds(processor) if self.vision else (0, 0)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: weights pushed by reference
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM cuts training's threads to 1
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -133,7 +134,8 @@ class VLLMEngine:
         # as a peft folder before every rollout (vLLM's LoRA support; it has none for the vision tower)
         self.lora_rank = lora.settings(cfg)["rank"] if lora.has_adapters(model) else 0
         if self.lora_rank:
-            tower = sorted(n for n, _ in model.model.visual.named_parameters() if lora.is_adapter(n))
+            visual = models.vision_tower(model)
+            tower = sorted(n for n, _ in visual.named_parameters() if lora.is_adapter(n)) if visual is not None else []
             if tower:
                 raise VLLMError(
                     f"worker.rollout.engine vllm: vLLM has no LoRA for the vision tower, which has adapters ({tower[0]}, ...); "
@@ -155,8 +157,8 @@ class VLLMEngine:
                 seed=cfg["seed"],
                 max_model_len=max_model_len,
                 # as many images as fit in a prompt at min_pixels (784 pixels a token)
-                limit_mm_per_prompt={"image": max(1, data["max_prompt_length"] * 784 // min_pixels), "video": 0},
-                mm_processor_kwargs={"min_pixels": min_pixels, "max_pixels": max_pixels},
+                **({"limit_mm_per_prompt": {"image": max(1, data["max_prompt_length"] * 784 // min_pixels), "video": 0},
+                    "mm_processor_kwargs": {"min_pixels": min_pixels, "max_pixels": max_pixels}} if self.vision else {}),
                 gpu_memory_utilization=rollout["gpu_memory_utilization"],
                 kv_cache_memory_bytes=kv_bytes,
                 tensor_parallel_size=rollout["tensor_parallel_size"],
@@ -230,15 +232,15 @@ class VLLMEngine:
         self, prompts: PromptBatch, keys: torch.Tensor, params: SamplingParams, batch_size: int, progress=False
     ) -> Rollout:
         """Sample one response per row of `prompts`; vLLM schedules the batch itself (batch_size unused)."""
-        if prompts.images is None:
+        if prompts.images is None and self.vision:
             raise ValueError("the vllm engine needs the rows' images (PromptBatch.from_processor(..., images=...))")
         self.push_weights()
         requests, expected = [], []
         for i in range(len(prompts)):
             ids = prompts.input_ids[i][prompts.attention_mask[i].bool()].tolist()
             expected.append(ids)
-            request = {"prompt_token_ids": _collapse_image_runs(ids, self.image_token)}
-            if prompts.images[i]:  # a text-only row has no multimodal data
+            request = {"prompt_token_ids": _collapse_image_runs(ids, self.image_token) if self.vision else ids}
+            if self.vision and prompts.images[i]:  # a text-only row has no multimodal data
                 request["multi_modal_data"] = {"image": list(prompts.images[i])}
             requests.append(request)
         sampling = [

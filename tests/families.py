@@ -61,7 +61,7 @@ def tiny_config(model_type: str, head_dim: int = HEAD_DIM) -> dict:
         config = getattr(transformers, TEXT_CLASSES[model_type])(**tokens, **(MOE if model_type == "qwen3_moe" else {})).to_dict()
         config.pop("layer_types", None)  # all full attention: rebuilt for the shrunk depth
     if not models.family(model_type).vision:
-        _shrink_text(config)
+        _shrink_text(config, head_dim)
         return config
     if model_type == "qwen3_vl_moe":  # Qwen3-VL-30B-A3B's layout on Qwen3-VL-4B's tokens
         config.update(model_type="qwen3_vl_moe", architectures=["Qwen3VLMoeForConditionalGeneration"])

@@ -3,7 +3,6 @@ tokenizer and chat template, float32, CPU) on math rows: prompts rendered as Eas
 rows refused by name, log-probs of generation equal to training's and the fast paths equal to the plain
 ones where the family runs them, LoRA, two GRPO steps with a checkpoint, a bitwise resume and validation."""
 
-import importlib.util
 import json
 import logging
 import os
@@ -260,28 +259,6 @@ def test_the_qwen3_4b_math_recipes_are_easyr1s(name, values):
     assert {k: flat[k] for k in {**easyr1, **values}} == {**easyr1, **values}
     cuda = config.for_device(cfg, "cuda", models.family("qwen3"))
     assert cuda["worker"]["rollout"]["engine"] == "static" and cuda["model"]["fused_rms_norm"] is True
-
-
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed here (envs/make_vllm_env.sh makes its env)")
-def test_vllm_generates_the_hf_engines_greedy_tokens_for_a_text_model(tmp_path):
-    """Token ids alone go to vLLM (no multimodal data or limits); its greedy tokens equal the hf engine's."""
-    from vlgrpo.rollout import make_engine
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    folder = families.build("qwen3", tmp_path / "model", weights=False)
-    tiny = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**tiny, "head_dim": 32}))  # vLLM's CPU attention takes no 16
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32).save_pretrained(folder)
-    cfg = filtered(text_experiment(tmp_path, folder, {"worker": {"rollout": {"engine": "vllm"}}}))
-    trainer = GRPOTrainer(cfg)
-    trainer.load(0)
-    prompts, keys = _prompts(trainer, n=1), torch.arange(3)
-    greedy = SamplingParams(temperature=0, top_p=1.0, max_tokens=16)
-    hf = make_engine("hf", trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
-    out = trainer.engine.generate(prompts, keys, greedy, len(prompts))
-    assert torch.equal(out.responses, hf.responses) and out.texts == hf.texts
 
 
 @pytest.mark.slow

@@ -37,32 +37,39 @@ def test_without_vllm_the_engine_says_how_to_install_it():
 
 
 # vLLM keeps one parallel state per process, and closing an engine tears it down: two engines must
-# not be alive at once. Tests that build their own engine (own_trainer) come first in this file (pytest
+# not be alive at once. Tests that build their own engine (own_engines) come first in this file (pytest
 # runs them in file order) and close it as they end; the module's shared `trainer` is built after them.
 @pytest.fixture
-def own_trainer(demo_base, tmp_path):
-    """Builds a trainer (and its engine) from config overrides; its engine is closed at the test's end."""
-    from vlgrpo.trainer import GRPOTrainer
+def own_engines():
+    """Register a trainer whose vLLM engine this test builds; the engines are closed at the test's end."""
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
+    assert not model_parallel_is_initialized(), "another vLLM engine is alive: put this test above the shared trainer's"
     made = []
-
-    def build(overrides: dict, refilter: bool = False):
-        """refilter: filter the demo's rows again with the config's processor (another family's sizes)."""
-        from vllm.distributed.parallel_state import model_parallel_is_initialized
-
-        assert not model_parallel_is_initialized(), "another vLLM engine is alive: put this test above the shared trainer's"
-        cfg = make_experiment(demo_base, tmp_path / "results", overrides)
-        exp = config.experiment_dir(cfg)
-        for split in ("train", "val") if refilter else ():
-            filter_split(cfg, split, paths.path(paths.FILTERED, exp, split=split), paths.path(paths.STATS, exp, split=split))
-        made.append(GRPOTrainer(cfg))
-        made[-1].load(0)
-        return made[-1]
-
-    yield build
+    yield made.append
     for trainer in made:
         if trainer.engine is not None:  # now, not whenever the garbage collector gets to it
             trainer.engine.llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture
+def own_trainer(demo_base, tmp_path, own_engines):
+    """Builds a trainer (and its engine) on the demo's data from config overrides (own_engines)."""
+    from vlgrpo.trainer import GRPOTrainer
+
+    def build(overrides: dict, refilter: bool = False):
+        """refilter: filter the demo's rows again with the config's processor (another family's sizes)."""
+        cfg = make_experiment(demo_base, tmp_path / "results", overrides)
+        exp = config.experiment_dir(cfg)
+        for split in ("train", "val") if refilter else ():  # in this process: a fork after vLLM's threads can hang
+            filter_split(cfg, split, paths.path(paths.FILTERED, exp, split=split), paths.path(paths.STATS, exp, split=split),
+                         workers=1)
+        trainer = GRPOTrainer(cfg)
+        own_engines(trainer)
+        trainer.load(0)
+        return trainer
+
+    return build
 
 
 @needs_vllm
@@ -108,6 +115,24 @@ def test_vllm_generates_the_hf_engines_greedy_tokens_for_each_family(model_type,
     trainer = own_trainer({"model": {"path": str(folder)}, "data": {"max_prompt_length": 1024}, "worker": {"rollout": VLLM}},
                           refilter=True)
     prompts, keys = image_prompts(trainer, 4, 1), torch.arange(4)
+    greedy = SamplingParams(temperature=0, top_p=1.0, max_tokens=16)
+    hf = make_engine("hf", trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
+    assert same_rollout(trainer.engine.generate(prompts, keys, greedy, len(prompts)), hf)
+
+
+@needs_vllm
+@pytest.mark.skipif(not (SHARED / "qwen3_4b").exists(), reason="shared data absent: qwen3_4b")
+def test_vllm_generates_the_hf_engines_greedy_tokens_for_a_text_model(own_engines, tmp_path):
+    """A text-only model (tiny Qwen3 on math rows, tests/test_textonly.py's): token ids alone go to vLLM,
+    no multimodal data or limits; its greedy tokens equal the hf engine's."""
+    from test_textonly import _prompts, filtered, text_experiment
+    from vlgrpo.trainer import GRPOTrainer
+
+    folder = families.build("qwen3", tmp_path / "model", head_dim=32)
+    trainer = GRPOTrainer(filtered(text_experiment(tmp_path, folder, {"worker": {"rollout": VLLM}})))
+    own_engines(trainer)
+    trainer.load(0)
+    prompts, keys = _prompts(trainer, n=1), torch.arange(3)
     greedy = SamplingParams(temperature=0, top_p=1.0, max_tokens=16)
     hf = make_engine("hf", trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
     assert same_rollout(trainer.engine.generate(prompts, keys, greedy, len(prompts)), hf)

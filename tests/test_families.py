@@ -42,6 +42,9 @@ def test_unsupported_family_or_missing_model_type_stops_at_parse_time(tmp_path):
         config.validate(config.deep_merge(demo, {"model": {"path": str(tmp_path)}}))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))  # text-only families train
     assert config.validate(config.deep_merge(demo, {"model": {"path": str(tmp_path)}}))["model"]["path"] == str(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}))
+    with pytest.raises(ConfigError, match="sets use_sliding_window \\(a window of 4096 tokens\\).*attend to the whole sequence"):
+        config.validate(config.deep_merge(demo, {"model": {"path": str(tmp_path)}}))
 
 
 def test_auto_turns_off_what_a_family_cannot_run_and_explicit_true_is_refused(caplog):

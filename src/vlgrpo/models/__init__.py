@@ -87,28 +87,39 @@ def family(model_type: str | None, where: str = "the model") -> Family:
     return FAMILIES[model_type]
 
 
-def read_model_type(path: str | os.PathLike) -> str | None:
-    """model_type of a local model folder's config.json, or of a hub id's config (AutoConfig)."""
+def read_config(path: str | os.PathLike) -> dict:
+    """A local model folder's config.json, or a hub id's config (AutoConfig), as a dict."""
     folder = Path(path).expanduser()
     if folder.is_dir():
         config = folder / "config.json"
         if not config.is_file():
             raise DataError(f"{folder}: no config.json, so its model family is unknown (families: {supported()})")
         try:
-            return json.loads(config.read_text(encoding="utf-8")).get("model_type")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            out = json.loads(config.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{config}: unreadable ({e}); it must name the model_type (families: {supported()})") from e
+        if not isinstance(out, dict):
+            raise DataError(f"{config}: not a JSON object; it must name the model_type (families: {supported()})")
+        return out
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(path)).model_type
+        return AutoConfig.from_pretrained(str(path)).to_dict()
     except Exception as e:  # no hub here, an unknown id, an unknown architecture: say which
         raise DataError(f"model.path {str(path)!r}: cannot read its config to know the model family: {type(e).__name__}: {e}") from e
 
 
 def family_of(path: str | os.PathLike) -> Family:
-    """The Family of the model at `path` (local folder or hub id); DataError if unsupported."""
-    return family(read_model_type(path), str(path))
+    """The Family of the model at `path` (local folder or hub id); DataError if unsupported, or if its
+    attention uses a sliding window (the log-prob and decode paths attend to the whole sequence)."""
+    config = read_config(path)
+    fam = family(config.get("model_type"), str(path))
+    text = config.get("text_config") or config
+    if text.get("use_sliding_window"):
+        raise DataError(f"{path}: its config sets use_sliding_window (a window of {text.get('sliding_window')} tokens), "
+                        "which vlgrpo does not run: its log-prob and decode paths attend to the whole sequence. Set "
+                        "use_sliding_window to false in config.json if prompt + response fit the window")
+    return fam
 
 
 def family_of_model(model) -> Family:

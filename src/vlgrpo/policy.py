@@ -250,14 +250,19 @@ def multimodal_index(model, host: PromptBatch, device: torch.device) -> tuple[to
     with a host read each; on the GPU every read waits for the queue to drain. host: the batch on
     the CPU (pixel values not needed). Returns, on `device` (copies queued without waiting):
     3-D rope position_ids (3, N, P), rope_deltas (N,) and the vision tower's keyword arguments
-    (Qwen2.5-VL's windowed tower; {} for the other families, whose towers index themselves).
+    (Qwen2.5-VL's windowed tower, the videos' under "video"; {} for the other families, whose towers
+    index themselves).
     """
     positions, deltas = model.model.get_rope_index(
         host.input_ids, mm_token_type_ids=host.mm_token_type_ids, image_grid_thw=host.image_grid_thw,
-        attention_mask=host.attention_mask,
+        video_grid_thw=host.video_grid_thw, second_per_grid_ts=host.second_per_grid_ts, attention_mask=host.attention_mask,
     )
-    tower = vision_index(model.model.visual, host.image_grid_thw) if models.family_of_model(model).window_vision and len(host.image_grid_thw) else {}  # {}: text-only rows
-    tower = {k: to_device(v, device) if torch.is_tensor(v) else v for k, v in tower.items()}
+    window = models.family_of_model(model).window_vision
+    tower = vision_index(model.model.visual, host.image_grid_thw) if window and len(host.image_grid_thw) else {}  # {}: text-only rows
+    if window and host.video_grid_thw is not None:  # the videos' own index, under "video" (_multimodal_forward's)
+        tower["video"] = vision_index(model.model.visual, host.video_grid_thw)
+    tower = {k: ({n: to_device(x, device) if torch.is_tensor(x) else x for n, x in v.items()} if isinstance(v, dict)
+                 else to_device(v, device) if torch.is_tensor(v) else v) for k, v in tower.items()}
     return to_device(positions, device), to_device(deltas.view(-1), device), tower
 
 
@@ -271,9 +276,13 @@ def _multimodal_forward(model, prompts: PromptBatch, host: PromptBatch):
     if not tower:
         return base(**prompts.model_inputs(), position_ids=positions, use_cache=True), deltas
     embeds = base.get_input_embeddings()(prompts.input_ids)
-    images = base.visual(prompts.pixel_values.type(base.visual.dtype), grid_thw=prompts.image_grid_thw, **tower).pooler_output
-    placeholders = (prompts.input_ids == base.config.image_token_id)[..., None]
-    embeds = embeds.masked_scatter(placeholders, images.to(embeds.dtype))
+    video_index = tower.pop("video", None)
+    for pixels, grid, index, token in ((prompts.pixel_values, prompts.image_grid_thw, tower, base.config.image_token_id),
+                                       (prompts.pixel_values_videos, prompts.video_grid_thw, video_index, base.config.video_token_id)):
+        if pixels is None:  # text-only rows, or rows without videos
+            continue
+        features = base.visual(pixels.type(base.visual.dtype), grid_thw=grid, **index).pooler_output
+        embeds = embeds.masked_scatter((prompts.input_ids == token)[..., None], features.to(embeds.dtype))
     out = base.language_model(inputs_embeds=embeds, attention_mask=prompts.attention_mask, position_ids=positions, use_cache=True)
     return out, deltas
 

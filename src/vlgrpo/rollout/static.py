@@ -166,7 +166,7 @@ class StaticEngine(HFEngine):
         """
         first, source = prompt_runs(sub)
         source = source.to(sub.input_ids.device)
-        host = replace(sub, pixel_values=None).to("cpu")  # for the rope and vision indices (policy.multimodal_index)
+        host = replace(sub, pixel_values=None, pixel_values_videos=None).to("cpu")  # for the rope and vision indices (policy.multimodal_index)
         width = sub.input_ids.shape[1]
         lengths = host.attention_mask[first].sum(-1).tolist()
         order = sorted(range(len(first)), key=lambda u: lengths[u])  # stable: equal lengths keep their order

@@ -154,6 +154,7 @@ def test_a_video_file_is_read_and_relative_to_image_dir(demo_base, tmp_path):
 def test_bad_video_rows_are_dropped_with_reasons(demo_base, tmp_path):
     good = write_frames(tmp_path, "good", 4)
     (tmp_path / "broken.png").write_bytes(b"not an image" * 10)
+    Image.new("RGB", (112, 112), (10, 200, 30)).save(tmp_path / "picture.png")  # the demo's image size
     rows = [
         {"videos": [good], "problem": "<video>Fine?", "answer": "1"},
         {"videos": [good], "problem": "<video>Fine again?", "answer": "1"},
@@ -162,6 +163,7 @@ def test_bad_video_rows_are_dropped_with_reasons(demo_base, tmp_path):
         {"videos": [], "problem": "<video>Nothing?", "answer": "1"},
         {"videos": [good], "problem": "No placeholder", "answer": "1"},
         {"videos": [good], "problem": "<video><video>Two?", "answer": "1"},
+        {"videos": [good], "images": ["picture.png"], "problem": "<image>Then <video>: both?", "answer": "1"},
     ]
     source = tmp_path / "bad.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -169,8 +171,13 @@ def test_bad_video_rows_are_dropped_with_reasons(demo_base, tmp_path):
     stats = filter_split(cfg, "val", tmp_path / "val.parquet", tmp_path / "val.stats.json", workers=1)
     assert stats["dropped_rows"] == {"video_missing": [2, 4], "video_undecodable": [3], "no_video_placeholder": [5],
                                      "more_placeholders_than_videos": [6]}
-    assert stats["kinds"]["video"] == {"kept": 2, "dropped": {"video_missing": 2, "video_undecodable": 1, "no_video_placeholder": 1,
+    assert stats["kinds"]["video"] == {"kept": 3, "dropped": {"video_missing": 2, "video_undecodable": 1, "no_video_placeholder": 1,
                                                               "more_placeholders_than_videos": 1}}
+    both = load_filtered(tmp_path / "val.parquet")[-1]  # an image and a video in one prompt
+    assert both["index"] == 7 and len(both["images"]) == len(both["videos"]) == 1
+    enc = encode_prompts(load_processor(cfg["model"]["path"]), [both])
+    assert len(enc["input_ids"][0]) == pq.read_table(tmp_path / "val.parquet")["prompt_length"][-1].as_py()
+    assert enc["image_grid_thw"].shape == enc["video_grid_thw"].shape == (1, 3)
     only_bad = tmp_path / "only_bad.jsonl"
     only_bad.write_text(json.dumps(rows[3]) + "\n")
     cfg["data"]["val"] = str(only_bad)

@@ -183,3 +183,34 @@ def test_bench_builds_random_weights_of_each_family_from_a_config_folder(model_t
     assert models.text_model(model).config.hidden_size == families.HIDDEN
     again, _ = bench.base_model(cfg, torch.device("cpu"))  # seeded: the same weights
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+
+
+def test_video_prompts_through_generation_logprobs_and_fast_paths(family_trainer, tmp_path):
+    """A video row beside an image row, encoded by the family's processor (its rope index with video
+    grids, Qwen3's timestamps): generation's log-probs are training's, the fast paths the plain path's,
+    static greedy hf's."""
+    from test_video import VIDEO_PROBLEMS, write_frames
+    from vlgrpo.data.videos import video_spec
+    from vlgrpo.rollout.graded import encode_batch
+
+    model_type, trainer = family_trainer
+    family, data = models.family(model_type), trainer.cfg["data"]
+    video = {"problem": VIDEO_PROBLEMS[0], "answer": "1", "images": [], "prompt": render_prompt(trainer.processor, VIDEO_PROBLEMS[0], "r1v"),
+             "videos": [video_spec(write_frames(tmp_path, "clip", 4), str(tmp_path), data["min_pixels"], data["max_pixels"], data["video_fps"])]}
+    prompts = encode_batch(trainer.processor, [trainer.rows[0], video], 2, torch.device("cpu"))
+    assert prompts.num_videos.tolist() == [0, 0, 1, 1]
+    assert (prompts.input_ids == trainer.processor.video_token_id).sum() == 2 * prompts.video_grid_thw[0].prod() // 4
+    keys = torch.tensor([sample_key(1, 1, i) for i in range(len(prompts))])
+    out = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, SamplingParams(1.0, 1.0, 12), len(prompts))
+    mask = out.response_mask.bool()
+    plain = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0)
+    assert torch.allclose(plain[mask], out.logp[mask], atol=1e-5), (plain - out.logp).abs().max()
+    fast = ForwardOptions(prefix_sharing=family.serves("worker.actor.prefix_sharing"), logprobs_chunk_size=5)
+    shared = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, fast)
+    assert torch.allclose(shared[mask], plain[mask], atol=1e-5), (shared - plain).abs().max()
+    if family.serves("worker.rollout.engine"):
+        greedy = SamplingParams(0.0, 1.0, 12)
+        hf = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
+        static = StaticEngine(trainer.policy, trainer.processor, cuda_graph=False).generate(prompts, keys, greedy, len(prompts))
+        assert torch.equal(static.responses, hf.responses)
+        assert torch.allclose(static.logp, hf.logp, atol=1e-5)

@@ -54,6 +54,8 @@ class PromptBatch:
         text-only row in a batch with images gets them (and as EasyR1 gives them, row by row).
         """
         grid = enc.get("image_grid_thw")
+        if enc.get("video_grid_thw") is not None and num_videos is None:
+            raise ValueError("the encoded rows hold videos: pass each row's video count (num_videos)")
         return cls(
             input_ids=enc["input_ids"],
             attention_mask=enc["attention_mask"],

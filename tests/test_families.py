@@ -122,8 +122,10 @@ def _prompts(trainer, count=2, n=2):
 
 def test_generation_logprobs_equal_training_and_fast_paths_equal_plain(family_trainer):
     model_type, trainer = family_trainer
-    family = models.family(model_type)
-    prompts = _prompts(trainer)
+    _generation_logprobs_and_fast_paths_agree(trainer, models.family(model_type), _prompts(trainer))
+
+
+def _generation_logprobs_and_fast_paths_agree(trainer, family, prompts) -> None:
     keys = torch.tensor([sample_key(1, 1, i) for i in range(len(prompts))])
     out = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, SamplingParams(1.0, 1.0, 12), len(prompts))
     mask = out.response_mask.bool()
@@ -200,17 +202,4 @@ def test_video_prompts_through_generation_logprobs_and_fast_paths(family_trainer
     prompts = encode_batch(trainer.processor, [trainer.rows[0], video], 2, torch.device("cpu"))
     assert prompts.num_videos.tolist() == [0, 0, 1, 1]
     assert (prompts.input_ids == trainer.processor.video_token_id).sum() == 2 * prompts.video_grid_thw[0].prod() // 4
-    keys = torch.tensor([sample_key(1, 1, i) for i in range(len(prompts))])
-    out = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, SamplingParams(1.0, 1.0, 12), len(prompts))
-    mask = out.response_mask.bool()
-    plain = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0)
-    assert torch.allclose(plain[mask], out.logp[mask], atol=1e-5), (plain - out.logp).abs().max()
-    fast = ForwardOptions(prefix_sharing=family.serves("worker.actor.prefix_sharing"), logprobs_chunk_size=5)
-    shared = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, fast)
-    assert torch.allclose(shared[mask], plain[mask], atol=1e-5), (shared - plain).abs().max()
-    if family.serves("worker.rollout.engine"):
-        greedy = SamplingParams(0.0, 1.0, 12)
-        hf = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
-        static = StaticEngine(trainer.policy, trainer.processor, cuda_graph=False).generate(prompts, keys, greedy, len(prompts))
-        assert torch.equal(static.responses, hf.responses)
-        assert torch.allclose(static.logp, hf.logp, atol=1e-5)
+    _generation_logprobs_and_fast_paths_agree(trainer, family, prompts)

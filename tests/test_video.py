@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from conftest import make_experiment
-from test_mixed_data import deterministic
+from test_mixed_data import trains_two_steps_and_resumes_bitwise
 from vlgrpo import config, paths
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.filtering import filter_split, load_filtered
@@ -236,18 +236,4 @@ def test_fast_path_logprobs_equal_plain_on_a_video_batch(trainer):
 @pytest.mark.slow
 def test_a_video_dataset_trains_two_steps_and_resumes_bitwise(demo_base, tmp_path):
     cfg = video_experiment(demo_base, tmp_path, overrides={"worker": {"rollout": {"n": 4}}})
-    straight = GRPOTrainer(cfg)
-    straight.load(0)
-    kinds = {bool(straight.rows[i]["videos"]) for step in (1, 2) for i in straight.batch_indices(step)}
-    assert kinds == {True, False}  # both steps' batches together hold video and image rows
-    records = [straight.step(1), straight.step(2)]
-    assert all(r["response_length/mean"] > 0 for r in records)
-    first = GRPOTrainer(cfg)
-    first.load(0)
-    assert deterministic(first.step(1)) == deterministic(records[0])
-    first.save(1, "run").result()
-    resumed = GRPOTrainer(cfg)
-    resumed.load(1)
-    assert deterministic(resumed.step(2)) == deterministic(records[1])
-    for (name, a), b in zip(straight.policy.state_dict().items(), resumed.policy.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
+    trains_two_steps_and_resumes_bitwise(cfg, "videos")

@@ -1,12 +1,12 @@
 """Loading the policy and computing log-probs of responses the way training does.
 
 The log-prob forward runs the model's own forward over prompt + response with the prompt's
-attention mask, image inputs and mm_token_type_ids (zeros over the response), so Qwen2.5-VL computes
+attention mask, image and video inputs and mm_token_type_ids (zeros over the response), so Qwen2.5-VL computes
 the same 3-D rope positions that generation used, and divides the logits by the sampling temperature
 as EasyR1/verl do.
 
 Speed switches (ForwardOptions, all off by default and none changes the result beyond rounding):
-- prefix sharing: the n samples of a prompt share one forward over the prompt (image included);
+- prefix sharing: the n samples of a prompt share one forward over the prompt (images and videos included);
   their responses attend to its cached keys/values at the positions the full forward gives them;
 - chunked log-probs: the LM head and log-softmax run over `logprobs_chunk_size` positions at a time
   and are recomputed in backward, so float32 full-vocabulary logits never exist for a micro-batch;

@@ -304,7 +304,8 @@ def filter_split(
     the processor (`count_prompt_tokens`, checked against the full processor call on the first row
     of every 32). Rows are dropped with a reason (DROP_REASONS) instead of failing. Output columns:
     index (row in the source), images (sized, PNG, list<struct<bytes, path>>), problem, answer,
-    prompt, prompt_length, image_tokens. Both files are written atomically. `workers` processes
+    prompt, prompt_length, image_tokens, videos (videos.video_spec of each video: its resolved
+    path(s) and sampling settings; the frames are fetched again per batch). Both files are written atomically. `workers` processes
     (default: the CPUs available, at most 16) share the rows. Returns the stats dict written to
     `out_stats`.
 

@@ -2,8 +2,8 @@
 
 Same interface, sampling and outputs as HFEngine (keyed sampling, banned vision tokens, EOS
 masking: HFEngine.generate does the chunking and the masking), built for speed on a GPU:
-- prefill: each run of identical prompt rows (the n samples of a prompt) is encoded once, image
-  included, by the model's own forward (policy.prefix_forward); its keys/values are copied into a
+- prefill: each run of identical prompt rows (the n samples of a prompt) is encoded once, images
+  and videos included, by the model's own forward (policy.prefix_forward); its keys/values are copied into a
   static cache one row per sample, right-aligned at the prompt width, and the first token is
   sampled from its last logits;
 - decode: one step embeds the last token, applies rope at the row's next text position (the three

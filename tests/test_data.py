@@ -414,7 +414,7 @@ def test_filter_split_writes_rendered_rows_and_stats(filtered, processor, train_
     assert stats["rows_in"] == stats["rows_kept"] == 33 and sum(stats["dropped"].values()) == 0
     assert stats["steps_per_epoch"] == 33 // BATCH == 1
     out = pq.read_table(filtered["parquet"])
-    assert out.column_names == ["index", "images", "problem", "answer", "prompt", "prompt_length", "image_tokens"]
+    assert out.column_names == ["index", "images", "problem", "answer", "prompt", "prompt_length", "image_tokens", "videos"]
     assert out.schema.field("images").type == train_table.schema.field("images").type
     assert not list(filtered["parquet"].parent.glob("*.tmp"))
     lengths = out.column("prompt_length").to_pylist()

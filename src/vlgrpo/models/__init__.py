@@ -31,7 +31,6 @@ class Family:
     interleaved_mrope: bool = False  # Qwen3-VL's interleaved 3-D rope (equal axes for text after the prompt)
     linear_attention: bool = False  # some layers are Gated DeltaNet with a recurrent state, not keys/values
     moe: bool = False  # sparse MoE MLPs in the text layers
-    video_metadata: bool = False  # its processor (Qwen3VLProcessor) writes frame timestamps: vLLM gets each video's metadata
     # Fast path (schema key) -> why it cannot serve this family; a key absent here serves it.
     cannot: dict = field(default_factory=dict)
 
@@ -51,15 +50,15 @@ FAMILIES = {
     for f in (
         Family("qwen2_vl", "Qwen2-VL", vision=True, image_factor=28, cannot={_PACKED: _NOT_WINDOWED}),
         Family("qwen2_5_vl", "Qwen2.5-VL", vision=True, image_factor=28, window_vision=True),
-        Family("qwen3_vl", "Qwen3-VL", vision=True, image_factor=32, deepstack=True, interleaved_mrope=True, video_metadata=True,
+        Family("qwen3_vl", "Qwen3-VL", vision=True, image_factor=32, deepstack=True, interleaved_mrope=True,
                cannot={_PACKED: _NOT_WINDOWED}),
         Family("qwen3_vl_moe", "Qwen3-VL-MoE", vision=True, image_factor=32, deepstack=True, interleaved_mrope=True,
-               moe=True, video_metadata=True, cannot={_PACKED: _NOT_WINDOWED, _STATIC: "the static decode step does not route MoE MLPs yet"}),
-        Family("qwen3_5", "Qwen3.5", vision=True, image_factor=32, interleaved_mrope=True, linear_attention=True, video_metadata=True,
+               moe=True, cannot={_PACKED: _NOT_WINDOWED, _STATIC: "the static decode step does not route MoE MLPs yet"}),
+        Family("qwen3_5", "Qwen3.5", vision=True, image_factor=32, interleaved_mrope=True, linear_attention=True,
                cannot={_PACKED: _NOT_WINDOWED, _STATIC: _LINEAR, _PREFIX: _LINEAR,
                        _FUSED: "its RMSNorm scales by (1 + weight), which F.rms_norm does not"}),
         Family("qwen3_5_moe", "Qwen3.5-MoE", vision=True, image_factor=32, interleaved_mrope=True,
-               linear_attention=True, moe=True, video_metadata=True,
+               linear_attention=True, moe=True,
                cannot={_PACKED: _NOT_WINDOWED, _STATIC: _LINEAR, _PREFIX: _LINEAR,
                        _FUSED: "its RMSNorm scales by (1 + weight), which F.rms_norm does not"}),
         Family("qwen2", "Qwen2 / Qwen2.5 (text)", vision=False),

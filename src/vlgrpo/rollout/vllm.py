@@ -11,8 +11,7 @@ engine keeps its memory.
 Prompts go in as the other engines see them: the token ids the processor made (each image's and
 video's run of placeholder tokens collapsed to one, which vLLM expands again) and the row's images,
 which vLLM's processor, given the same pixel bounds, leaves at their size, and videos (the frames
-qwen-vl-utils sampled, as EasyR1 passes them; with their metadata where the family's processor
-writes timestamps); every rollout checks that vLLM's expanded prompt equals ours token for token. Each row is one request with its own seed, the row's
+qwen-vl-utils sampled, as EasyR1 passes them, with qwen-vl-utils' metadata, which vLLM requires); every rollout checks that vLLM's expanded prompt equals ours token for token. Each row is one request with its own seed, the row's
 32-bit key (sampling.sample_key of seed, step, prompt, sample), so a sample depends on its key only.
 vLLM samples with its own generator: the same keys give other tokens than the hf engine's keyed
 sampling (greedy decoding gives the same tokens). With LoRA, vLLM serves the base model and the policy's
@@ -33,7 +32,7 @@ import vllm
 from transformers import AutoTokenizer
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
-from vlgrpo import lora, models
+from vlgrpo import lora
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.images import processor_pixel_bounds
 from vlgrpo.errors import VlgrpoError
@@ -121,7 +120,6 @@ class VLLMEngine:
         self.eos_ids, self.pad_id = eos_ids(model, self.tokenizer), self.tokenizer.pad_token_id
         self.image_token = model.config.image_token_id
         self.video_token = getattr(model.config, "video_token_id", None)
-        self.video_metadata = models.family_of_model(model).video_metadata
         rollout, data = cfg["worker"]["rollout"], cfg["data"]
         self.sleeps = model.device.type == "cuda"  # vLLM's sleep mode exists on CUDA (and ROCm, XPU) only
         # the images arrive sized by vlgrpo.data.images.model_image_size; vLLM's processor snaps them with
@@ -248,7 +246,7 @@ class VLLMEngine:
             if prompts.images[i]:  # a text-only row has no multimodal data
                 media["image"] = list(prompts.images[i])
             if prompts.videos is not None and prompts.videos[i]:
-                media["video"] = [(v.frames, v.metadata) if self.video_metadata else v.frames for v in prompts.videos[i]]
+                media["video"] = [(v.frames, v.metadata) for v in prompts.videos[i]]  # vLLM needs the metadata
             if media:
                 request["multi_modal_data"] = media
             requests.append(request)

@@ -38,7 +38,7 @@ class PromptBatch:
     prompt_ids: torch.Tensor  # (N,) the encoded prompt each row is a copy of (selects keep it); stays on the CPU
     images: list[list] | None = None  # (N,) each row's PIL images, for engines that process them themselves (vllm)
     pixel_values_videos: torch.Tensor | None = None  # (sum of patches over all videos, D); None without videos
-    video_grid_thw: torch.Tensor | None = None  # (num videos, 3); None or (0, 3) without videos
+    video_grid_thw: torch.Tensor | None = None  # (num videos, 3); None without videos
     second_per_grid_ts: torch.Tensor | None = None  # (num videos,) float32, for processors that take it (Qwen2.5-VL)
     num_videos: torch.Tensor | None = None  # (N,) videos of each row; None: no row has any; stays on the CPU
     videos: list[list] | None = None  # (N,) each row's fetched videos (data.videos.Video), for vllm

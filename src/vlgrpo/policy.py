@@ -257,12 +257,13 @@ def multimodal_index(model, host: PromptBatch, device: torch.device) -> tuple[to
         host.input_ids, mm_token_type_ids=host.mm_token_type_ids, image_grid_thw=host.image_grid_thw,
         video_grid_thw=host.video_grid_thw, second_per_grid_ts=host.second_per_grid_ts, attention_mask=host.attention_mask,
     )
+    def index(grid):
+        return {k: to_device(v, device) if torch.is_tensor(v) else v for k, v in vision_index(model.model.visual, grid).items()}
+
     window = models.family_of_model(model).window_vision
-    tower = vision_index(model.model.visual, host.image_grid_thw) if window and len(host.image_grid_thw) else {}  # {}: text-only rows
+    tower = index(host.image_grid_thw) if window and len(host.image_grid_thw) else {}  # {}: text-only rows
     if window and host.video_grid_thw is not None:  # the videos' own index, under "video" (_multimodal_forward's)
-        tower["video"] = vision_index(model.model.visual, host.video_grid_thw)
-    tower = {k: ({n: to_device(x, device) if torch.is_tensor(x) else x for n, x in v.items()} if isinstance(v, dict)
-                 else to_device(v, device) if torch.is_tensor(v) else v) for k, v in tower.items()}
+        tower["video"] = index(host.video_grid_thw)
     return to_device(positions, device), to_device(deltas.view(-1), device), tower
 
 

@@ -1,8 +1,8 @@
 """The filter stage: every row rendered, sized and counted once, kept or dropped with a reason.
 
 `filter_split` writes a parquet of ready prompts (prompt text, sized PNG images, video requests for
-qwen-vl-utils, token count) and a stats JSON; `load_filtered` reads the parquet back for the trainer and the evaluator. A split that
-cannot feed training (fewer kept rows than one rollout batch; no row for validation) stops the stage
+qwen-vl-utils, token count) and a stats JSON; `load_filtered` reads the parquet back for the
+trainer and the evaluator. A split that cannot feed training (fewer kept rows than one rollout batch; no row for validation) stops the stage
 with the top drop reasons and the first exception that dropped a row, and nothing is written.
 """
 
@@ -305,8 +305,8 @@ def filter_split(
     of every 32). Rows are dropped with a reason (DROP_REASONS) instead of failing. Output columns:
     index (row in the source), images (sized, PNG, list<struct<bytes, path>>), problem, answer,
     prompt, prompt_length, image_tokens, videos (videos.video_spec of each video: its resolved
-    path(s) and sampling settings; the frames are fetched again per batch). Both files are written atomically. `workers` processes
-    (default: the CPUs available, at most 16) share the rows. Returns the stats dict written to
+    path(s) and sampling settings; the frames are fetched again per batch). Both files are written
+    atomically. `workers` processes (default: the CPUs available, at most 16) share the rows. Returns the stats dict written to
     `out_stats`.
 
     Raises DataError, writing nothing, when the split keeps fewer rows than it needs (one rollout

@@ -11,7 +11,9 @@ engine keeps its memory.
 Prompts go in as the other engines see them: the token ids the processor made (each image's and
 video's run of placeholder tokens collapsed to one, which vLLM expands again) and the row's images,
 which vLLM's processor, given the same pixel bounds, leaves at their size, and videos (the frames
-qwen-vl-utils sampled, as EasyR1 passes them, with qwen-vl-utils' metadata, which vLLM requires); every rollout checks that vLLM's expanded prompt equals ours token for token. Each row is one request with its own seed, the row's
+qwen-vl-utils sampled, as EasyR1 passes them, with qwen-vl-utils' metadata, which vLLM requires);
+every rollout checks that vLLM's expanded prompt equals ours token for token. Each row is one
+request with its own seed, the row's
 32-bit key (sampling.sample_key of seed, step, prompt, sample), so a sample depends on its key only.
 vLLM samples with its own generator: the same keys give other tokens than the hf engine's keyed
 sampling (greedy decoding gives the same tokens). With LoRA, vLLM serves the base model and the policy's

@@ -414,7 +414,7 @@ def test_filter_split_writes_rendered_rows_and_stats(filtered, processor, train_
     assert stats["rows_in"] == stats["rows_kept"] == 33 and sum(stats["dropped"].values()) == 0
     assert stats["steps_per_epoch"] == 33 // BATCH == 1
     out = pq.read_table(filtered["parquet"])
-    assert out.column_names == ["index", "images", "problem", "answer", "prompt", "prompt_length", "image_tokens"]
+    assert out.column_names == ["index", "images", "problem", "answer", "prompt", "prompt_length", "image_tokens", "videos"]
     assert out.schema.field("images").type == train_table.schema.field("images").type
     assert not list(filtered["parquet"].parent.glob("*.tmp"))
     lengths = out.column("prompt_length").to_pylist()
@@ -544,7 +544,7 @@ def test_filter_split_checks_model_and_split_before_work(tmp_path):
 def test_encode_prompts_left_pads_a_batch(filtered, processor):
     rows = load_filtered(filtered["parquet"])
     assert [r["index"] for r in rows] == list(range(33))
-    assert all(set(r) == {"index", "images", "problem", "answer", "prompt"} for r in rows)
+    assert all(set(r) == {"index", "images", "problem", "answer", "prompt", "videos"} for r in rows)
     lengths = pq.read_table(filtered["parquet"]).column("prompt_length").to_pylist()
     pick = [int(np.argmin(lengths)), int(np.argmax(lengths))]
     rows, lengths = [rows[i] for i in pick], [lengths[i] for i in pick]

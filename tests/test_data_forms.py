@@ -124,15 +124,15 @@ def test_missing_and_corrupt_image_files_are_dropped_naming_the_rows(tmp_path):
     rows = ROWS + [
         {"images": ["gone.png"], "problem": "<image>Find y.", "answer": "1"},
         {"images": ["bad.png"], "problem": "<image>Find z.", "answer": "2"},
-        {"images": [], "problem": "<video>What happens?", "answer": "3"},  # video: not trained yet
+        {"images": [], "problem": "<video>What happens?", "answer": "3"},  # a video placeholder without a video
         {"images": [], "videos": ["clip.mp4"], "problem": "What happens?", "answer": "3"},
     ]
     stats, kept = filtered(cfg_for(str(write_form(tmp_path / "r.jsonl", rows)), image_dir=str(images)), tmp_path / "o")
     assert [r["index"] for r in kept] == [0, 1, 2]
-    assert stats["dropped_rows"] == {"image_missing": [3], "image_undecodable": [4], "video_unsupported": [5, 6]}
+    assert stats["dropped_rows"] == {"image_missing": [3], "image_undecodable": [4], "video_missing": [5], "no_video_placeholder": [6]}
     assert stats["kinds"] == {
         "image": {"kept": 2, "dropped": {"image_missing": 1, "image_undecodable": 1}},
-        "video": {"kept": 0, "dropped": {"video_unsupported": 2}},
+        "video": {"kept": 0, "dropped": {"video_missing": 1, "no_video_placeholder": 1}},
         "text": {"kept": 1, "dropped": {}},
     }
     # A split where every row fails stops with the first error, naming the file it could not find.

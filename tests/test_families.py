@@ -151,3 +151,21 @@ def test_bench_builds_random_weights_of_each_family_from_a_config_folder(model_t
     assert models.text_model(model).config.hidden_size == families.HIDDEN
     again, _ = bench.base_model(cfg, torch.device("cpu"))  # seeded: the same weights
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+
+
+def test_video_prompts_through_generation_logprobs_and_fast_paths(family_trainer, tmp_path):
+    """A video row beside an image row, encoded by the family's processor (its rope index with video
+    grids, Qwen3's timestamps): generation's log-probs are training's, the fast paths the plain path's,
+    static greedy hf's."""
+    from test_video import VIDEO_PROBLEMS, write_frames
+    from vlgrpo.data.videos import video_spec
+    from vlgrpo.rollout.graded import encode_batch
+
+    model_type, trainer = family_trainer
+    data = trainer.cfg["data"]
+    video = {"problem": VIDEO_PROBLEMS[0], "answer": "1", "images": [], "prompt": render_prompt(trainer.processor, VIDEO_PROBLEMS[0], "r1v"),
+             "videos": [video_spec(write_frames(tmp_path, "clip", 4), str(tmp_path), data["min_pixels"], data["max_pixels"], data["video_fps"])]}
+    prompts = encode_batch(trainer.processor, [trainer.rows[0], video], 2, torch.device("cpu"))
+    assert prompts.num_videos.tolist() == [0, 0, 1, 1]
+    assert (prompts.input_ids == trainer.processor.video_token_id).sum() == 2 * prompts.video_grid_thw[0].prod() // 4
+    families.check_logprobs_and_engines(trainer, model_type, prompts)

@@ -62,6 +62,16 @@ def test_values_take_easyr1_meanings_and_defaults():
     assert set(by_key) >= {k for k in RULES if not k.endswith("*")}  # every EasyR1 key has its entry
 
 
+def test_video_keys_map_through():
+    recipe, entries = convert(EASYR1, ["data.video_key=clips", "data.video_fps=1.5", "data.image_dir=/data/media"])
+    got = flat(recipe)
+    assert (got["data.video_key"], got["data.video_fps"], got["data.image_dir"]) == ("clips", 1.5, "/data/media")
+    assert not [e for e in entries if e.problem]
+    defaults = flat(convert(EASYR1, [])[0])
+    assert (defaults["data.video_key"], defaults["data.video_fps"]) == ("videos", 2.0)  # EasyR1's defaults
+    config.validate(config.deep_merge(recipe, {"model": {"path": "m"}}))
+
+
 def test_values_vlgrpo_cannot_honour_are_listed_with_the_reason():
     cfg = copy.deepcopy(EASYR1)
     recipe, entries = convert(cfg, ["worker.actor.model.lora.rank=64", "worker.actor.fsdp.torch_dtype=bf16",

@@ -205,6 +205,28 @@ def test_vllm_generates_the_hf_engines_greedy_tokens_on_a_mixed_batch(trainer):
     assert same_rollout(trainer.engine.generate(prompts, keys, greedy, len(prompts)), hf)
 
 
+
+@needs_vllm
+def test_vllm_generates_the_hf_engines_greedy_tokens_on_video_prompts(trainer, tmp_path):
+    """Video rows (frames sampled by qwen-vl-utils, multi_modal_data "video") beside image rows: vLLM
+    expands each video to the processor's tokens and its greedy tokens are hf's."""
+    from test_video import VIDEO_PROBLEMS, write_frames
+    from vlgrpo.data.prompts import render_prompt
+    from vlgrpo.data.videos import video_spec
+    from vlgrpo.rollout.graded import encode_batch
+
+    data = trainer.cfg["data"]
+    video = [{"problem": p, "answer": "1", "images": [], "prompt": render_prompt(trainer.processor, p, "r1v"),
+              "videos": [video_spec(write_frames(tmp_path, f"clip{i}", 4 + i), str(tmp_path), data["min_pixels"],
+                                    data["max_pixels"], data["video_fps"])]}
+             for i, p in enumerate(VIDEO_PROBLEMS)]
+    prompts = encode_batch(trainer.processor, [trainer.rows[0], video[0], video[1]], 1, torch.device("cpu"))
+    assert prompts.num_videos.tolist() == [0, 1, 1]
+    keys, greedy = torch.arange(3), SamplingParams(temperature=0, top_p=1.0, max_tokens=32)
+    hf = make_engine("hf", trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
+    assert same_rollout(trainer.engine.generate(prompts, keys, greedy, len(prompts)), hf)
+
+
 @needs_vllm
 def test_samples_follow_their_request_seeds(trainer):
     n = 4

@@ -1,8 +1,8 @@
 """A batch of encoded multimodal prompts that can be repeated and sliced by row.
 
 Generation and every log-prob forward use slices of one PromptBatch, so left padding, attention
-mask, image-token positions and mm_token_type_ids agree between them by construction (Qwen2.5-VL's
-3-D rope positions are computed from exactly these tensors).
+mask, image- and video-token positions and mm_token_type_ids agree between them by construction
+(Qwen2.5-VL's 3-D rope positions are computed from exactly these tensors).
 """
 
 from __future__ import annotations
@@ -37,10 +37,18 @@ class PromptBatch:
     num_images: torch.Tensor  # (N,) images of each row, in order; stays on the CPU
     prompt_ids: torch.Tensor  # (N,) the encoded prompt each row is a copy of (selects keep it); stays on the CPU
     images: list[list] | None = None  # (N,) each row's PIL images, for engines that process them themselves (vllm)
+    pixel_values_videos: torch.Tensor | None = None  # (sum of patches over all videos, D); None without videos
+    video_grid_thw: torch.Tensor | None = None  # (num videos, 3); None without videos
+    second_per_grid_ts: torch.Tensor | None = None  # (num videos,) float32, for processors that take it (Qwen2.5-VL)
+    num_videos: torch.Tensor | None = None  # (N,) videos of each row; None: no row has any; stays on the CPU
+    videos: list[list] | None = None  # (N,) each row's fetched videos (data.videos.Video), for vllm
 
     @classmethod
-    def from_processor(cls, enc, num_images: list[int], images: list[list] | None = None, vision: bool = True) -> "PromptBatch":
-        """Wrap the BatchFeature returned by a Qwen2.5-VL processor (left padding); images: the rows' images.
+    def from_processor(cls, enc, num_images: list[int], images: list[list] | None = None,
+                       num_videos: list[int] | None = None, videos: list[list] | None = None,
+                       vision: bool = True) -> "PromptBatch":
+        """Wrap the BatchFeature returned by a Qwen2.5-VL processor (left padding); images: the rows'
+        images; num_videos, videos: the rows' video counts and fetched videos, where any row has one.
 
         Rows without images (text-only) may be any of them: a batch of them alone gets an empty grid,
         so the model still computes each row's rope positions from its first real token, as a
@@ -48,6 +56,8 @@ class PromptBatch:
         vision=False: a text-only model's tokenizer output (no grid at all: its forward takes none).
         """
         grid = enc.get("image_grid_thw")
+        if enc.get("video_grid_thw") is not None and num_videos is None:
+            raise ValueError("the encoded rows hold videos: pass each row's video count (num_videos)")
         return cls(
             input_ids=enc["input_ids"],
             attention_mask=enc["attention_mask"],
@@ -57,21 +67,48 @@ class PromptBatch:
             num_images=torch.tensor(num_images, dtype=torch.long),
             prompt_ids=torch.arange(len(num_images)),
             images=images,
+            pixel_values_videos=enc.get("pixel_values_videos"),
+            video_grid_thw=enc.get("video_grid_thw"),
+            second_per_grid_ts=enc.get("second_per_grid_ts"),
+            num_videos=None if num_videos is None or not any(num_videos) else torch.tensor(num_videos, dtype=torch.long),
+            videos=videos if num_videos is not None and any(num_videos) else None,
         )
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def _patch_ranges(self) -> list[tuple[int, int]]:
-        """(start, end) rows of pixel_values that belong to each prompt row."""
-        if self.image_grid_thw is None:
+    def _patch_ranges(self, grid: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> list[tuple[int, int]]:
+        """(start, end) rows of pixel_values (of pixel_values_videos, given the video grid and counts)
+        that belong to each prompt row."""
+        grid, counts = (self.image_grid_thw, self.num_images) if grid is None else (grid, counts)
+        if grid is None:
             return [(0, 0)] * len(self)
-        patches = self.image_grid_thw.prod(dim=-1).tolist()
+        patches = grid.prod(dim=-1).tolist()
         image_offsets = [0]
         for p in patches:
             image_offsets.append(image_offsets[-1] + p)
-        row_first_image = [0] + self.num_images.cumsum(0).tolist()
+        row_first_image = [0] + counts.cumsum(0).tolist()
         return [(image_offsets[row_first_image[i]], image_offsets[row_first_image[i + 1]]) for i in range(len(self))]
+
+    def _select_videos(self, picked: list[int]) -> dict:
+        """The video fields of rows `picked` (select's helper); all None where no row has a video."""
+        if self.num_videos is None:
+            return {}
+        first = [0] + self.num_videos.cumsum(0).tolist()
+        index = torch.tensor([v for r in picked for v in range(first[r], first[r + 1])], dtype=torch.long)
+        if not len(index):  # rows without videos: the model takes no video inputs
+            return {}
+        pixels = None
+        if self.pixel_values_videos is not None:  # a batch of grids alone (for host indices) has none
+            ranges = self._patch_ranges(self.video_grid_thw, self.num_videos)
+            pixels = torch.cat([self.pixel_values_videos[slice(*ranges[r])] for r in picked])
+        return {
+            "pixel_values_videos": pixels,
+            "video_grid_thw": self.video_grid_thw[index],
+            "second_per_grid_ts": None if self.second_per_grid_ts is None else self.second_per_grid_ts[index.to(self.second_per_grid_ts.device)],
+            "num_videos": self.num_videos[picked],
+            "videos": None if self.videos is None else [self.videos[r] for r in picked],
+        }
 
     def select(self, rows: list[int] | torch.Tensor) -> "PromptBatch":
         """Rows `rows` (any order, repeats allowed), with columns that are padding in all of them dropped.
@@ -103,6 +140,7 @@ class PromptBatch:
             num_images=self.num_images[rows],
             prompt_ids=self.prompt_ids[rows],
             images=None if self.images is None else [self.images[r] for r in rows.tolist()],
+            **self._select_videos(rows.tolist()),
         )
 
     def repeat_interleave(self, n: int) -> "PromptBatch":
@@ -111,19 +149,20 @@ class PromptBatch:
 
     def to(self, device, dtype: torch.dtype | None = None) -> "PromptBatch":
         """Move the model inputs to `device` (with to_device); pixel values also take the model's dtype.
-        The bookkeeping (num_images, prompt_ids, images) stays on the CPU, where select reads it."""
+        The bookkeeping (num_images, num_videos, prompt_ids, images, videos) stays on the CPU, where select reads it."""
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and f.name not in ("num_images", "prompt_ids", "images"):
-                value = to_device(value, torch.device(device), dtype if f.name == "pixel_values" else None)
+            if value is not None and f.name not in ("num_images", "prompt_ids", "images", "num_videos", "videos"):
+                pixels = f.name in ("pixel_values", "pixel_values_videos")
+                value = to_device(value, torch.device(device), dtype if pixels else None)
             moved[f.name] = value
         return replace(self, **moved)
 
     def model_inputs(self) -> dict:
         """Keyword arguments for the model's forward / generate."""
         out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
-        for key in ("mm_token_type_ids", "pixel_values", "image_grid_thw"):
+        for key in ("mm_token_type_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out

@@ -1,12 +1,12 @@
 """Loading the policy and computing log-probs of responses the way training does.
 
 The log-prob forward runs the model's own forward over prompt + response with the prompt's
-attention mask, image inputs and mm_token_type_ids (zeros over the response), so Qwen2.5-VL computes
+attention mask, image and video inputs and mm_token_type_ids (zeros over the response), so Qwen2.5-VL computes
 the same 3-D rope positions that generation used, and divides the logits by the sampling temperature
 as EasyR1/verl do.
 
 Speed switches (ForwardOptions, all off by default and none changes the result beyond rounding):
-- prefix sharing: the n samples of a prompt share one forward over the prompt (image included);
+- prefix sharing: the n samples of a prompt share one forward over the prompt (images and videos included);
   their responses attend to its cached keys/values at the positions the full forward gives them;
 - chunked log-probs: the LM head and log-softmax run over `logprobs_chunk_size` positions at a time
   and are recomputed in backward, so float32 full-vocabulary logits never exist for a micro-batch;
@@ -252,14 +252,20 @@ def multimodal_index(model, host: PromptBatch, device: torch.device) -> tuple[to
     with a host read each; on the GPU every read waits for the queue to drain. host: the batch on
     the CPU (pixel values not needed). Returns, on `device` (copies queued without waiting):
     3-D rope position_ids (3, N, P), rope_deltas (N,) and the vision tower's keyword arguments
-    (Qwen2.5-VL's windowed tower; {} for the other families, whose towers index themselves).
+    (Qwen2.5-VL's windowed tower, the videos' under "video"; {} for the other families, whose towers
+    index themselves).
     """
     positions, deltas = model.model.get_rope_index(
         host.input_ids, mm_token_type_ids=host.mm_token_type_ids, image_grid_thw=host.image_grid_thw,
-        attention_mask=host.attention_mask,
+        video_grid_thw=host.video_grid_thw, second_per_grid_ts=host.second_per_grid_ts, attention_mask=host.attention_mask,
     )
-    tower = vision_index(model.model.visual, host.image_grid_thw) if models.family_of_model(model).window_vision and len(host.image_grid_thw) else {}  # {}: text-only rows
-    tower = {k: to_device(v, device) if torch.is_tensor(v) else v for k, v in tower.items()}
+    def index(grid):
+        return {k: to_device(v, device) if torch.is_tensor(v) else v for k, v in vision_index(model.model.visual, grid).items()}
+
+    window = models.family_of_model(model).window_vision
+    tower = index(host.image_grid_thw) if window and len(host.image_grid_thw) else {}  # {}: text-only rows
+    if window and host.video_grid_thw is not None:  # the videos' own index, under "video" (_multimodal_forward's)
+        tower["video"] = index(host.video_grid_thw)
     return to_device(positions, device), to_device(deltas.view(-1), device), tower
 
 
@@ -273,9 +279,13 @@ def _multimodal_forward(model, prompts: PromptBatch, host: PromptBatch):
     if not tower:
         return base(**prompts.model_inputs(), position_ids=positions, use_cache=True), deltas
     embeds = base.get_input_embeddings()(prompts.input_ids)
-    images = base.visual(prompts.pixel_values.type(base.visual.dtype), grid_thw=prompts.image_grid_thw, **tower).pooler_output
-    placeholders = (prompts.input_ids == base.config.image_token_id)[..., None]
-    embeds = embeds.masked_scatter(placeholders, images.to(embeds.dtype))
+    video_index = tower.pop("video", None)
+    for pixels, grid, index, token in ((prompts.pixel_values, prompts.image_grid_thw, tower, base.config.image_token_id),
+                                       (prompts.pixel_values_videos, prompts.video_grid_thw, video_index, base.config.video_token_id)):
+        if pixels is None:  # text-only rows, or rows without videos
+            continue
+        features = base.visual(pixels.type(base.visual.dtype), grid_thw=grid, **index).pooler_output
+        embeds = embeds.masked_scatter((prompts.input_ids == token)[..., None], features.to(embeds.dtype))
     out = base.language_model(inputs_embeds=embeds, attention_mask=prompts.attention_mask, position_ids=positions, use_cache=True)
     return out, deltas
 

@@ -8,6 +8,6 @@ stores prompt + sized images, so the trainer and the evaluator read the filtered
 (`filtering.load_filtered` + `prompts.encode_prompts`) and never render or resize again.
 
 Modules: `sources` (rows from a hub id or parquet, json, jsonl or csv files; the model's processor), `images` (sizing,
-decoding), `prompts` (format template, chat rendering, token counts, model inputs), `filtering`
+decoding), `videos` (frames sampled and sized by qwen-vl-utils, as EasyR1 reads video rows), `prompts` (format template, chat rendering, token counts, model inputs), `filtering`
 (the filter stage, its stats and the reader of its output).
 """

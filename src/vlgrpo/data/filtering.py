@@ -1,8 +1,8 @@
 """The filter stage: every row rendered, sized and counted once, kept or dropped with a reason.
 
-`filter_split` writes a parquet of ready prompts (prompt text, sized PNG images, token count) and a
-stats JSON; `load_filtered` reads the parquet back for the trainer and the evaluator. A split that
-cannot feed training (fewer kept rows than one rollout batch; no row for validation) stops the stage
+`filter_split` writes a parquet of ready prompts (prompt text, sized PNG images, video requests for
+qwen-vl-utils, token count) and a stats JSON; `load_filtered` reads the parquet back for the
+trainer and the evaluator. A split that cannot feed training (fewer kept rows than one rollout batch; no row for validation) stops the stage
 with the top drop reasons and the first exception that dropped a row, and nothing is written.
 """
 
@@ -38,6 +38,7 @@ from vlgrpo.data.images import (
 )
 from vlgrpo.data.prompts import IMAGE_PLACEHOLDER, count_prompt_tokens, format_template, render_prompt
 from vlgrpo.data.sources import load_processor, load_split, override_chat_template
+from vlgrpo.data.videos import VIDEO_PLACEHOLDER, fetch, video_spec
 from vlgrpo.errors import DataError
 
 if TYPE_CHECKING:
@@ -58,12 +59,13 @@ DROP_REASONS = (
     "image_size_unsupported",
     "processor_error",
     "prompt_too_long",
-    "video_unsupported",
+    "video_missing",
+    "no_video_placeholder",
+    "more_placeholders_than_videos",
+    "fewer_placeholders_than_videos",
+    "video_undecodable",
 )
 ROW_KINDS = ("image", "video", "text")  # the stats count kept and dropped rows of each kind
-# EasyR1's video placeholder and default video column: video rows are recognised and dropped, not
-# trained as text with a literal "<video>" in them (video is not supported yet).
-VIDEO_PLACEHOLDER, VIDEO_COLUMN = "<video>", "videos"
 DROPPED_ROWS_LISTED = 20  # source indices listed per reason in the stats, to trace drops
 # More undecodable images than this fraction of a split is a damaged source, not a few bad rows: the
 # filter warns (its log, the stats' "warnings", the workflow's last words and the report).
@@ -85,6 +87,7 @@ def output_schema() -> pa.Schema:
             "prompt": datasets.Value("string"),
             "prompt_length": datasets.Value("int64"),
             "image_tokens": datasets.Value("int64"),
+            "videos": datasets.List(datasets.Value("string")),  # videos.video_spec of each video
         }
     ).arrow_schema
 
@@ -94,6 +97,9 @@ class _FilterSettings:
     image_key: str
     image_dir: str | None
     has_image_column: bool
+    video_key: str
+    video_fps: float
+    has_video_column: bool
     prompt_key: str
     answer_key: str
     template: str
@@ -134,7 +140,7 @@ def _row_kind(row: dict[str, Any], s: _FilterSettings) -> str:
     placeholder, else 'text' (the filter stats' kinds)."""
     problem = row.get(s.prompt_key)
     problem = problem if isinstance(problem, str) else ""
-    if VIDEO_PLACEHOLDER in problem or _as_image_list(row.get(VIDEO_COLUMN)):
+    if VIDEO_PLACEHOLDER in problem or _as_image_list(row.get(s.video_key)):
         return "video"
     return "image" if IMAGE_PLACEHOLDER in problem or _as_image_list(row.get(s.image_key)) else "text"
 
@@ -172,10 +178,12 @@ def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSetti
             images.append(resize_image(image, s.min_pixels, s.max_pixels, s.processor_pixels, image_factor(processor)))
         except ValueError as e:
             raise _Dropped("image_size_unsupported", str(e)) from e
-    prompt = render_prompt(processor, problem, s.template, vision=s.has_image_column and not s.text_only_model)
+    videos = _fetch_videos(row, problem, s)
+    prompt = render_prompt(processor, problem, s.template, vision=(s.has_image_column or s.has_video_column) and not s.text_only_model)
     try:
-        prompt_length = count_prompt_tokens(processor, prompt, images)
-        full = processor(images=images or None, text=[prompt], add_special_tokens=False) if verify else None
+        prompt_length = count_prompt_tokens(processor, prompt, images, [video for _, video in videos])
+        full = processor(images=images or None, videos=[v.frames for _, v in videos] or None, text=[prompt],
+                         add_special_tokens=False) if verify else None
     except ResizeMismatchError:
         raise  # a setup error, not a bad row
     except Exception as e:  # a row the processor rejects must not stop the whole split
@@ -194,7 +202,34 @@ def _prepare_row(row: dict[str, Any], processor: ProcessorMixin, s: _FilterSetti
         "prompt": prompt,
         "prompt_length": prompt_length,
         "image_tokens": sum(image_tokens(im, image_factor(processor)) for im in images),
+        "videos": [spec for spec, _ in videos],
     }
+
+
+def _fetch_videos(row: dict[str, Any], problem: str, s: _FilterSettings) -> list:
+    """(video_spec, fetched Video) of each of the row's videos, or raise _Dropped with the reason."""
+    raw = _as_image_list(row.get(s.video_key))
+    placeholders = problem.count(VIDEO_PLACEHOLDER)
+    if not raw and placeholders:
+        raise _Dropped("video_missing")
+    if raw and placeholders == 0:
+        raise _Dropped("no_video_placeholder")
+    if placeholders != len(raw):
+        reason = "more_placeholders_than_videos" if placeholders > len(raw) else "fewer_placeholders_than_videos"
+        raise _Dropped(reason, f"{placeholders} placeholders, {len(raw)} videos")
+    videos = []
+    for value in raw:
+        try:
+            spec = video_spec(value, s.image_dir, s.min_pixels, s.max_pixels, s.video_fps)
+        except LookupError as e:
+            raise _Dropped("video_missing", str(e)) from e
+        except ValueError as e:
+            raise _Dropped("video_undecodable", str(e)) from e
+        try:
+            videos.append((spec, fetch(spec)))
+        except ValueError as e:
+            raise _Dropped("video_undecodable", str(e)) from e
+    return videos
 
 
 # State for worker processes, set in the parent before forking so that children inherit the
@@ -220,8 +255,6 @@ def _filter_range(bounds: tuple[int, int]) -> list[tuple[int, str, dict | None, 
         try:
             if kind != "text" and settings.text_only_model:
                 raise _Dropped("text_only_model", f"a {kind} row; {settings.text_only_model} is a text-only model, it takes no {kind}s")
-            if kind == "video":
-                raise _Dropped("video_unsupported", f"a {VIDEO_PLACEHOLDER!r} placeholder or {VIDEO_COLUMN!r}; video rows are not trained yet")
             # The first row of each range is checked against the full processor call.
             out.append((index, kind, _prepare_row(row, processor, settings, verify=index == start), None, "", ""))
         except _Dropped as d:
@@ -275,8 +308,9 @@ def filter_split(
     the processor (`count_prompt_tokens`, checked against the full processor call on the first row
     of every 32). Rows are dropped with a reason (DROP_REASONS) instead of failing. Output columns:
     index (row in the source), images (sized, PNG, list<struct<bytes, path>>), problem, answer,
-    prompt, prompt_length, image_tokens. Both files are written atomically. `workers` processes
-    (default: the CPUs available, at most 16) share the rows. Returns the stats dict written to
+    prompt, prompt_length, image_tokens, videos (videos.video_spec of each video: its resolved
+    path(s) and sampling settings; the frames are fetched again per batch). Both files are written
+    atomically. `workers` processes (default: the CPUs available, at most 16) share the rows. Returns the stats dict written to
     `out_stats`.
 
     Raises DataError, writing nothing, when the split keeps fewer rows than it needs (one rollout
@@ -295,6 +329,9 @@ def filter_split(
         image_key=data["image_key"],
         image_dir=data["image_dir"],
         has_image_column=True,  # set from the loaded split below
+        video_key=data["video_key"],
+        video_fps=data["video_fps"],
+        has_video_column=True,
         prompt_key=data["prompt_key"],
         answer_key=data["answer_key"],
         template=data["format_prompt"],
@@ -307,7 +344,8 @@ def filter_split(
     )
     format_template(settings.template)
     ds = load_split(data[split], settings.image_key, settings.prompt_key, settings.answer_key)
-    settings = dataclasses.replace(settings, has_image_column=settings.image_key in ds.column_names)
+    settings = dataclasses.replace(settings, has_image_column=settings.image_key in ds.column_names,
+                                   has_video_column=settings.video_key in ds.column_names)
 
     kept: list[dict[str, Any]] = []
     dropped: Counter[str] = Counter()
@@ -373,9 +411,11 @@ FILTERED_COLUMNS = ("index", "images", "problem", "answer", "prompt")
 
 
 def load_filtered(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Rows of a parquet written by `filter_split`: index, prompt, images (PIL RGB), answer, problem.
+    """Rows of a parquet written by `filter_split`: index, prompt, images (PIL RGB), answer, problem,
+    videos (videos.video_spec strings; [] in a split filtered before videos were read).
 
-    Images are opened lazily: each is decoded on first use.
+    Images are opened lazily: each is decoded on first use; videos are fetched per batch
+    (prompts.encode_prompts).
     """
     path = Path(path)
     if not path.is_file():
@@ -384,8 +424,10 @@ def load_filtered(path: str | os.PathLike) -> list[dict[str, Any]]:
     missing = [c for c in FILTERED_COLUMNS if c not in table.column_names]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing}; not written by filter_split?")
-    rows = table.select(list(FILTERED_COLUMNS)).to_pylist()
+    columns = list(FILTERED_COLUMNS) + (["videos"] if "videos" in table.column_names else [])
+    rows = table.select(columns).to_pylist()
     for row in rows:
         row["images"] = [open_rgb(image["bytes"]) for image in row["images"]]
+        row.setdefault("videos", [])
     return rows
 

@@ -1,14 +1,16 @@
 """Prompts as EasyR1 renders them: format template, chat template, token counts, model inputs.
 
 EasyR1 (verl/utils/dataset.py, RLHFDataset) renders the stripped Jinja format prompt with the
-problem as `content`, splits the text on "<image>" into image and text content parts of one user
-turn, and applies the processor's chat template with the generation prompt (the template's default
-system turn included); the processor then expands each image placeholder to the image's tokens.
+problem as `content`, splits the text on "<image>" (a video row: on "<video>") into image (video)
+and text content parts of one user turn, and applies the processor's chat template with the
+generation prompt (the template's default system turn included); the processor then expands each
+image and video placeholder to its tokens.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from transformers import BatchFeature, ProcessorMixin
 
 from vlgrpo.data.images import ResizeMismatchError, check_image_grid, decode_images, image_factor, image_tokens
 from vlgrpo import models
+from vlgrpo.data.videos import VIDEO_PLACEHOLDER, Video, fetch, second_per_grid_ts, video_tokens
 from vlgrpo.errors import DataError
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -53,14 +56,18 @@ def format_prompt(problem: str, template: str) -> str:
     return format_template(template).render(content=problem)
 
 
+_PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
+
+
 def chat_messages(prompt: str) -> list[dict[str, Any]]:
-    """One user turn whose content alternates text and image parts where "<image>" stood."""
+    """One user turn whose content alternates text parts and image (video) parts where "<image>"
+    ("<video>") stood."""
     parts: list[dict[str, Any]] = []
-    for i, text in enumerate(prompt.split(IMAGE_PLACEHOLDER)):
-        if i:
-            parts.append({"type": "image"})
-        if text:
-            parts.append({"type": "text", "text": text})
+    for piece in _PLACEHOLDERS.split(prompt):
+        if piece in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER):
+            parts.append({"type": "image" if piece == IMAGE_PLACEHOLDER else "video"})
+        elif piece:
+            parts.append({"type": "text", "text": piece})
     return [{"role": "user", "content": parts}]
 
 
@@ -68,8 +75,8 @@ def render_prompt(processor: ProcessorMixin, problem: str, template: str, vision
     """The chat-template text the model is prompted with (the template's default system turn,
     the user turn with vision placeholders, then the assistant generation prompt).
 
-    vision=False (a dataset without an image column): as EasyR1, the user turn is the plain text
-    through the tokenizer's chat template.
+    vision=False (a dataset without an image or video column): as EasyR1, the user turn is the plain
+    text through the tokenizer's chat template.
     """
     if not vision:
         messages = [{"role": "user", "content": format_prompt(problem, template)}]
@@ -78,14 +85,16 @@ def render_prompt(processor: ProcessorMixin, problem: str, template: str, vision
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def count_prompt_tokens(processor: ProcessorMixin, prompt: str, images: list[Image.Image]) -> int:
-    """Tokens of `prompt` once the processor expands its image placeholders, without pixel work.
+def count_prompt_tokens(processor: ProcessorMixin, prompt: str, images: list[Image.Image], videos: list[Video] = ()) -> int:
+    """Tokens of `prompt` once the processor expands its image and video placeholders, without pixel
+    work for the images.
 
     The processor replaces each <|image_pad|> with one token per 2x2 patch group of its image; the
     tokenizer and the image processor's own patch count give the same total (the filter checks this
-    against a full processor call on a sample of rows). Raises ResizeMismatchError if the processor
-    would resize an image, ValueError if placeholders and images disagree. A text-only model's
-    processor is its tokenizer: the count is its tokens, as EasyR1 counts them.
+    against a full processor call on a sample of rows). Each <|video_pad|> becomes its video's tokens
+    (videos.video_tokens: the video processor's grid). Raises ResizeMismatchError if the processor
+    would resize an image, ValueError if placeholders and images or videos disagree. A text-only
+    model's processor is its tokenizer: the count is its tokens, as EasyR1 counts them.
     """
     ids = models.tokenizer(processor)(prompt, add_special_tokens=False)["input_ids"]
     if not models.takes_images(processor):
@@ -94,6 +103,9 @@ def count_prompt_tokens(processor: ProcessorMixin, prompt: str, images: list[Ima
     placeholders = ids.count(processor.image_token_id)
     if placeholders != len(images):
         raise ValueError(f"{placeholders} image placeholders in the prompt for {len(images)} images")
+    video_placeholders = ids.count(processor.video_token_id)
+    if video_placeholders != len(videos):
+        raise ValueError(f"{video_placeholders} video placeholders in the prompt for {len(videos)} videos")
     per_image = [
         image_processor.get_number_of_image_patches(im.height, im.width, {}) // image_processor.merge_size**2
         for im in images
@@ -104,17 +116,26 @@ def count_prompt_tokens(processor: ProcessorMixin, prompt: str, images: list[Ima
             f"the processor would resize images (tokens {per_image}, expected {expected}): its pixel "
             "bounds differ from the ones the images were sized with"
         )
-    return len(ids) - placeholders + sum(per_image)
+    return len(ids) - placeholders + sum(per_image) - video_placeholders + sum(video_tokens(processor, list(videos)))
+
+
+def fetch_videos(rows: list[dict[str, Any]]) -> list[list[Video]]:
+    """Each row's videos (its "videos" specs, none for a row without), fetched by qwen-vl-utils."""
+    return [[fetch(spec) for spec in row.get("videos") or ()] for row in rows]
 
 
 def encode_prompts(
-    processor: ProcessorMixin, rows: list[dict[str, Any]], device: str | torch.device | None = None
+    processor: ProcessorMixin, rows: list[dict[str, Any]], device: str | torch.device | None = None,
+    videos: list[list[Video]] | None = None,
 ) -> BatchFeature:
     """Left-padded model inputs for a batch of filtered rows (B rows, L = longest prompt).
 
     Returns input_ids and attention_mask (B, L), pixel_values (sum of h*w/196 patches, 1176),
     image_grid_thw (n_images, 3), and mm_token_type_ids (B, L) where the processor makes them;
     rows may be text-only (no images): without any image there are no pixel_values or grids.
+    Rows with videos add pixel_values_videos, video_grid_thw (n_videos, 3) and, where the processor
+    takes them, second_per_grid_ts (n_videos,) as EasyR1 sets them; videos: the rows' videos
+    already fetched (fetch_videos), else they are fetched here.
     device: where the image processor normalizes and patchifies the images (its torchvision
     backend moves each uint8 image there first): pixel_values come back on it, everything else
     stays on the CPU for host code (PromptBatch row slicing, the rope index). None: the CPU, as
@@ -127,12 +148,13 @@ def encode_prompts(
     images = [im for row in rows for im in row["images"]]  # in prompt order: the processor fills placeholders so
     decode_images(images)
     vision = models.takes_images(processor)  # else a text-only model's tokenizer
-    if images and not vision:  # never trained as text: the filter drops such rows for a text-only model
-        raise DataError(f"{len(images)} images in rows given to a text-only model ({type(processor).__name__}): "
-                        "filter the split with this model.path (it drops image rows as 'text_only_model')")
+    clips = [v for row in (fetch_videos(rows) if videos is None else videos) for v in row]
+    if (images or clips) and not vision:  # never trained as text: the filter drops such rows for a text-only model
+        raise DataError(f"{len(images)} images and {len(clips)} videos in rows given to a text-only model "
+                        f"({type(processor).__name__}): filter the split with this model.path (it drops them as 'text_only_model')")
     inputs = processor(
         text=[row["prompt"] for row in rows],
-        **({"images": images or None} if vision else {}),  # text-only rows have none
+        **({"images": images or None, "videos": [v.frames for v in clips] or None} if vision else {}),  # text-only rows have none
         padding=True,
         padding_side="left",
         add_special_tokens=False,
@@ -141,4 +163,9 @@ def encode_prompts(
     )
     if images:
         check_image_grid(images, inputs["image_grid_thw"], processor.image_processor.patch_size)
+    if clips:  # EasyR1's value: the fps qwen-vl-utils sampled at, not the processor's default
+        seconds = second_per_grid_ts(processor, clips)
+        inputs.pop("second_per_grid_ts", None)
+        if seconds is not None:
+            inputs["second_per_grid_ts"] = seconds
     return inputs

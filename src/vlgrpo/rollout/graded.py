@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from vlgrpo import distributed, models
 from vlgrpo.batch import PromptBatch
-from vlgrpo.data.prompts import encode_prompts
+from vlgrpo.data.prompts import encode_prompts, fetch_videos
 from vlgrpo.errors import VlgrpoError
 from vlgrpo.rewards import Grading
 from vlgrpo.rollout import Rollout, SamplingParams
@@ -46,9 +46,10 @@ def select_rollout(out: Rollout, rows: list[int]) -> Rollout:
 
 def encode_batch(processor, rows: list[dict], n: int, device: torch.device) -> PromptBatch:
     """The PromptBatch of `rows`, each prompt repeated n times in a row (len(rows) * n rows)."""
-    enc = encode_prompts(processor, rows, device)  # pixels made on the model's device: no host copies on a GPU
+    videos = fetch_videos(rows)  # kept in the batch for engines that process them themselves (vllm)
+    enc = encode_prompts(processor, rows, device, videos)  # pixels made on the model's device: no host copies on a GPU
     return PromptBatch.from_processor(enc, [len(r["images"]) for r in rows], [r["images"] for r in rows],
-                                      vision=models.takes_images(processor)).repeat_interleave(n)
+                                      [len(v) for v in videos], videos, vision=models.takes_images(processor)).repeat_interleave(n)
 
 
 class Graded:

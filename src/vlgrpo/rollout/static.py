@@ -2,8 +2,8 @@
 
 Same interface, sampling and outputs as HFEngine (keyed sampling, banned vision tokens, EOS
 masking: HFEngine.generate does the chunking and the masking), built for speed on a GPU:
-- prefill: each run of identical prompt rows (the n samples of a prompt) is encoded once, image
-  included, by the model's own forward (policy.prefix_forward); its keys/values are copied into a
+- prefill: each run of identical prompt rows (the n samples of a prompt) is encoded once, images
+  and videos included, by the model's own forward (policy.prefix_forward); its keys/values are copied into a
   static cache one row per sample, right-aligned at the prompt width, and the first token is
   sampled from its last logits;
 - decode: one step embeds the last token, applies rope at the row's next text position (the three
@@ -167,7 +167,7 @@ class StaticEngine(HFEngine):
         """
         first, source = prompt_runs(sub)
         source = source.to(sub.input_ids.device)
-        host = replace(sub, pixel_values=None).to("cpu")  # for the rope and vision indices (policy.multimodal_index)
+        host = replace(sub, pixel_values=None, pixel_values_videos=None).to("cpu")  # for the rope and vision indices (policy.multimodal_index)
         width = sub.input_ids.shape[1]
         lengths = host.attention_mask[first].sum(-1).tolist()
         order = sorted(range(len(first)), key=lambda u: lengths[u])  # stable: equal lengths keep their order

@@ -8,10 +8,12 @@ On a GPU the engine sleeps between rollouts (level 2: weights and KV cache relea
 gets the memory back) and wakes for the next one; vLLM has no sleep mode on the CPU, where the
 engine keeps its memory.
 
-Prompts go in as the other engines see them: the token ids the processor made (each image's run of
-placeholder tokens collapsed to one, which vLLM expands again) and the row's images, which vLLM's
-processor, given the same pixel bounds, leaves at their size; every rollout checks that vLLM's
-expanded prompt equals ours token for token. Each row is one request with its own seed, the row's
+Prompts go in as the other engines see them: the token ids the processor made (each image's and
+video's run of placeholder tokens collapsed to one, which vLLM expands again) and the row's images,
+which vLLM's processor, given the same pixel bounds, leaves at their size, and videos (the frames
+qwen-vl-utils sampled, as EasyR1 passes them, with qwen-vl-utils' metadata, which vLLM requires);
+every rollout checks that vLLM's expanded prompt equals ours token for token. Each row is one
+request with its own seed, the row's
 32-bit key (sampling.sample_key of seed, step, prompt, sample), so a sample depends on its key only.
 vLLM samples with its own generator: the same keys give other tokens than the hf engine's keyed
 sampling (greedy decoding gives the same tokens). With LoRA, vLLM serves the base model and the policy's
@@ -101,9 +103,11 @@ def kv_cache_bytes(text_config, dtype: torch.dtype, sequences: int, tokens: int)
     return sequences * tokens * per_token
 
 
-def _collapse_image_runs(ids: list[int], image_token: int) -> list[int]:
-    """Prompt ids with each run of image placeholder tokens reduced to one (vLLM expands each image itself)."""
-    return [t for i, t in enumerate(ids) if t != image_token or i == 0 or ids[i - 1] != image_token]
+def _collapse_image_runs(ids: list[int], image_token: int, video_token: int | None = None) -> list[int]:
+    """Prompt ids with each run of image (video) placeholder tokens reduced to one (vLLM expands each
+    image and video itself)."""
+    vision = {image_token, video_token} - {None}
+    return [t for i, t in enumerate(ids) if t not in vision or i == 0 or ids[i - 1] != t]
 
 
 class VLLMEngine:
@@ -118,6 +122,7 @@ class VLLMEngine:
         self.eos_ids, self.pad_id = eos_ids(model, self.tokenizer), self.tokenizer.pad_token_id
         self.vision = models.family_of_model(model).vision  # a text-only model: token ids alone, no multimodal limits
         self.image_token = model.config.image_token_id if self.vision else None
+        self.video_token = getattr(model.config, "video_token_id", None) if self.vision else None
         rollout, data = cfg["worker"]["rollout"], cfg["data"]
         self.sleeps = model.device.type == "cuda"  # vLLM's sleep mode exists on CUDA (and ROCm, XPU) only
         # the images arrive sized by vlgrpo.data.images.model_image_size; vLLM's processor snaps them with
@@ -157,7 +162,8 @@ class VLLMEngine:
                 seed=cfg["seed"],
                 max_model_len=max_model_len,
                 # as many images as fit in a prompt at min_pixels (784 pixels a token)
-                **({"limit_mm_per_prompt": {"image": max(1, data["max_prompt_length"] * 784 // min_pixels), "video": 0},
+                # (a video: at least one frame's worth of tokens)
+                **({"limit_mm_per_prompt": {kind: max(1, data["max_prompt_length"] * 784 // min_pixels) for kind in ("image", "video")},
                     "mm_processor_kwargs": {"min_pixels": min_pixels, "max_pixels": max_pixels}} if self.vision else {}),
                 gpu_memory_utilization=rollout["gpu_memory_utilization"],
                 kv_cache_memory_bytes=kv_bytes,
@@ -239,9 +245,14 @@ class VLLMEngine:
         for i in range(len(prompts)):
             ids = prompts.input_ids[i][prompts.attention_mask[i].bool()].tolist()
             expected.append(ids)
-            request = {"prompt_token_ids": _collapse_image_runs(ids, self.image_token) if self.vision else ids}
+            request = {"prompt_token_ids": _collapse_image_runs(ids, self.image_token, self.video_token) if self.vision else ids}
+            media = {}
             if self.vision and prompts.images[i]:  # a text-only row has no multimodal data
-                request["multi_modal_data"] = {"image": list(prompts.images[i])}
+                media["image"] = list(prompts.images[i])
+            if prompts.videos is not None and prompts.videos[i]:
+                media["video"] = [(v.frames, v.metadata) for v in prompts.videos[i]]  # vLLM needs the metadata
+            if media:
+                request["multi_modal_data"] = media
             requests.append(request)
         sampling = [
             vllm.SamplingParams(

@@ -5,6 +5,7 @@ import pytest
 import yaml
 
 from vlgrpo import config
+from vlgrpo.policy import ForwardOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,9 +75,10 @@ def test_fast_paths_are_on_for_cuda_only_and_the_seed_recipe_runs_as_benchmarked
                                                 "worker.actor.logprobs", "worker.actor.old", "worker.rollout.engine",
                                                 "worker.rollout.cuda_graph"))]
     assert {k: cuda[k] for k in timed} == {k: bench[k] for k in timed}  # what the H200 benchmark measured
-    # prefix sharing needs the activations gradient checkpointing drops: auto leaves it off then
-    checkpointed = config.validate(config.deep_merge(MINIMAL, {"model": {"gradient_checkpointing": True}}))
-    assert config.for_device(checkpointed, "cuda")["worker"]["actor"]["prefix_sharing"] is False
+    # with gradient checkpointing the no-grad passes share prefixes and the update does not
+    checkpointed = config.for_device(config.validate(config.deep_merge(MINIMAL, {"model": {"gradient_checkpointing": True}})), "cuda")
+    assert checkpointed["worker"]["actor"]["prefix_sharing"] is True
+    assert ForwardOptions.from_config(checkpointed).prefix_sharing and not ForwardOptions.from_config(checkpointed, update=True).prefix_sharing
     # the plain overlay turns every fast path off, also on CUDA
     both = flat(config.for_device(config.load(ROOT / "configs" / "qwen2_5_vl_3b_geo3k.yaml", ROOT / "configs" / "plain.yaml"), "cuda"))
     assert {k: both[k] for k in AUTO} == {k: plain[k] for k in AUTO}

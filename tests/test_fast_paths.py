@@ -204,10 +204,12 @@ def test_dynamic_micro_batches_respect_the_token_budget(trainer):
     assert any({0, 1, 2, 3} <= set(mb) for mb in plan)  # a prompt's samples stay together when they fit
 
 
-def test_a_fast_step_equals_the_plain_step(demo_base, tmp_path):
-    """One whole GRPO step with every switch on gives the plain step's metrics."""
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_fast_step_equals_the_plain_step(demo_base, tmp_path, checkpointing):
+    """One whole GRPO step with every switch on gives the plain step's metrics. With gradient
+    checkpointing the no-grad passes share prompt prefixes and the update does not."""
     records = {}
-    fast = {"model": {"packed_vision_attention": True, "gradient_checkpointing": False, "fused_rms_norm": True,
+    fast = {"model": {"packed_vision_attention": True, "gradient_checkpointing": checkpointing, "fused_rms_norm": True,
                       "aligned_vision_mlp": True},
             "worker": {"rollout": {"engine": "static"},
                        "actor": {"dynamic_batching": True, "prefix_sharing": True, "logprobs_chunk_size": 64,
@@ -218,6 +220,7 @@ def test_a_fast_step_equals_the_plain_step(demo_base, tmp_path):
         t = GRPOTrainer(cfg)
         t.load(0)
         records[name] = t.step(1)
+    assert t.forward.prefix_sharing and t.update_forward.prefix_sharing is not checkpointing
     for key in ("reward/overall", "response_length/mean", "actor/entropy_loss", "actor/pg_loss", "actor/kl_loss",
                 "actor/ppo_kl", "actor/grad_norm"):
         assert records["fast"][key] == pytest.approx(records["plain"][key], rel=1e-4, abs=1e-6), key

@@ -261,9 +261,6 @@ def for_device(cfg: dict, device, family=None) -> dict:
             node = node[part]
         if node[path[-1]] == "auto":
             node[path[-1]] = values[kind]
-    actor = cfg["worker"]["actor"]
-    if actor["prefix_sharing"] == "auto" and out["model"]["gradient_checkpointing"]:
-        out["worker"]["actor"]["prefix_sharing"] = False  # it needs the activations checkpointing drops
     if family is not None:
         from vlgrpo.models import limit_fast_paths
 

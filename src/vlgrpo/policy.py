@@ -190,14 +190,13 @@ class ForwardOptions:
     logprobs_chunk_size: int = 0
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "ForwardOptions":
+    def from_config(cls, cfg: dict, update: bool = False) -> "ForwardOptions":
+        """The switches of the no-grad log-prob passes (old, ref), or with `update` of the actor update:
+        there a checkpointed layer would append its keys/values to the prompt's cache again when
+        backward recomputes it, so prefix sharing needs gradient checkpointing off."""
         actor = cfg["worker"]["actor"]
-        if actor["prefix_sharing"] and cfg["model"]["gradient_checkpointing"]:
-            raise ConfigError(
-                "'worker.actor.prefix_sharing' needs 'model.gradient_checkpointing' false "
-                "(checkpointed layers drop the prompt's cached keys/values)"
-            )
-        return cls(actor["prefix_sharing"], actor["logprobs_chunk_size"])
+        sharing = actor["prefix_sharing"] and not (update and cfg["model"]["gradient_checkpointing"])
+        return cls(sharing, actor["logprobs_chunk_size"])
 
 
 def prompt_runs(prompts: PromptBatch) -> tuple[list[int], torch.Tensor]:

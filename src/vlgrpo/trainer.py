@@ -139,7 +139,7 @@ class GRPOTrainer:
         self.store = CheckpointStore(paths.path(paths.CHECKPOINTS, self.exp_dir))
         self.policy = self.ref = self.optimizer = self.engine = None
         self.lora_info: dict | None = None
-        self.forward = ForwardOptions.from_config(cfg)
+        self.forward, self.update_forward = ForwardOptions.from_config(cfg), ForwardOptions.from_config(cfg, update=True)
         self.nonfinite_in_a_row = 0
         algorithm = cfg["algorithm"]
         # None: no KL; "loss": a loss term; "reward": in the reward, with the controller's coefficient (checkpointed).
@@ -492,7 +492,7 @@ class GRPOTrainer:
                 mine = self.parts[index_mb][rank] if world > 1 else mini_rows
                 for rows, real in distributed.padded(self._micro_batches(prompts, out.response_mask, mine, micro), mini_rows[:1]):
                     logp = response_logprobs(
-                        self.policy, prompts.select(rows), out.responses[rows], out.response_mask[rows], temperature, self.forward
+                        self.policy, prompts.select(rows), out.responses[rows], out.response_mask[rows], temperature, self.update_forward
                     )
                     index = to_device(torch.tensor(rows), dev)
                     rmask = mask_d.index_select(0, index).float()

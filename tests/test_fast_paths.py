@@ -187,6 +187,25 @@ def test_static_engine_gives_the_hf_tokens(trainer, temperature):
     assert torch.equal(full.responses, trainer.engine.generate(prompts, keys, params, batch_size=len(prompts)).responses)
 
 
+def test_the_static_decoder_is_kept_while_the_weights_stay_in_place(trainer):
+    """A captured decode step reads weights by address: the engine keeps its decoder (and graph) across
+    calls while they stay, and builds a new one when they move, as a sharded model's gathering may do."""
+    prompts = samples(trainer, n=2)
+    static = make_engine("static", trainer.policy, trainer.processor)
+    first = rollout(trainer, prompts, 0.0, max_tokens=8, engine=static)
+    decoder = static._decoder
+    assert torch.equal(rollout(trainer, prompts, 0.0, max_tokens=8, engine=static).responses, first.responses)
+    assert static._decoder is decoder
+    head = trainer.policy.lm_head.weight
+    saved = head.data
+    try:
+        head.data = saved.clone()  # the same values at a new address
+        moved = rollout(trainer, prompts, 0.0, max_tokens=8, engine=static)
+        assert static._decoder is not decoder and torch.equal(moved.responses, first.responses)
+    finally:
+        head.data = saved
+
+
 def test_dynamic_micro_batches_respect_the_token_budget(trainer):
     prompts = samples(trainer, n=4, count=3)
     rows = list(range(len(prompts)))

@@ -173,14 +173,15 @@ def profiled(device: torch.device, out: Path | None):
 def run_steps(trainer: GRPOTrainer, steps: range, device: torch.device, peak_tflops: float, profile: Path | None = None) -> dict:
     """Run `steps`; per-phase medians, step wall time (synchronised), throughput, MFU, peak memory.
     profile: a path for the last step's profile summary (profiled)."""
-    records, walls, flops = [], [], []
+    records, walls, flops, captures = [], [], [], []
     for step in steps:
         sync(device)
-        start = time.perf_counter()
+        start, captured = time.perf_counter(), getattr(trainer.engine, "captures", 0)
         with profiled(device, profile if step == steps[-1] else None):
             record = trainer.step(step)
             sync(device)
         walls.append(time.perf_counter() - start)
+        captures.append(getattr(trainer.engine, "captures", 0) - captured)  # the static engine's CUDA graphs
         records.append(record)
         flops.append(step_flops(trainer, step, record["response_length/mean"]))
         log.info("step %d: %.2f s %s", step, walls[-1], {p: round(record.get(f"timing_s/{p}", 0.0), 2) for p in PHASES})
@@ -197,6 +198,7 @@ def run_steps(trainer: GRPOTrainer, steps: range, device: torch.device, peak_tfl
         "mfu": statistics.median(flops) / step_s / (peak_tflops * 1e12),
         "response_length_mean": statistics.median(r["response_length/mean"] for r in records),
         "pg_loss": [r["actor/pg_loss"] for r in records],
+        "graph_captures": captures,
     }
     if device.type == "cuda":
         out["peak_memory_allocated_gb"] = max(r["perf/max_memory_allocated_gb"] for r in records)

@@ -378,8 +378,6 @@ class GRPOTrainer:
             rollout_cfg["top_k"], cfg["worker"]["reward"]["skip_special_tokens"],
         )
         # Grading runs on other CPU cores while old and ref run; `reward` is the time the step waits for it.
-        if distributed.is_sharded(self.policy) and rollout_cfg["engine"] == "static":
-            self._make_engine()  # its captured graphs hold the addresses of the last gathering's weights
         with torch.profiler.record_function("gen"):  # timed by its parts (encode, generation)
             rows, prompts, out, grading, gen_timing, batch_info = self.make_batch(step, params)
         timing["gen"], reward_s = gen_timing["encode"] + gen_timing["generation"], gen_timing["grading"]

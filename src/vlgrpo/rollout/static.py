@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
-from vlgrpo import distributed, models
+from vlgrpo import models
 from vlgrpo.batch import PromptBatch
 from vlgrpo.policy import fused_rms_norm, prefix_forward, prompt_runs
 from vlgrpo.rollout import SamplingParams
@@ -140,14 +140,18 @@ class StaticEngine(HFEngine):
         super().__init__(model, processor)
         self.cuda_graph = cuda_graph and model.device.type == "cuda"
         self._decoder: _Decoder | None = None
-        self._shape = None
-        # A sharded model's gathered weights get new storage at every gathering: no graph outlives one.
-        self.reuse = not distributed.is_sharded(model)
+        self._key = None
+        self.captures = 0  # CUDA graphs recorded so far
+
+    def _weight_addresses(self) -> tuple[int, ...]:
+        """Where the decode step reads its weights. A captured graph reads them there; a sharded
+        model's gathering may place them elsewhere (then the step is captured again)."""
+        return tuple(p.data_ptr() for p in models.text_model(self.model).parameters()) + (self.model.lm_head.weight.data_ptr(),)
 
     def _decoder_for(self, rows: int, width: int, params: SamplingParams) -> _Decoder:
-        shape = (rows, width, params)
-        if shape != self._shape or not self.reuse:
-            self._decoder = self._shape = None  # free the old cache before allocating the new one
+        key = (rows, width, params, self._weight_addresses())
+        if key != self._key:
+            self._decoder = self._key = None  # free the old cache before allocating the new one
             device = self.model.device
             eos = torch.tensor(self.eos_ids, device=device)
             banned = self.banned.to(device)
@@ -156,7 +160,8 @@ class StaticEngine(HFEngine):
             decoder = _Decoder(self.model, rows, width, params.max_tokens, params, banned, eos, self.pad_id)
             if self.cuda_graph and params.max_tokens > 1:
                 decoder.capture()
-            self._decoder, self._shape = decoder, shape
+                self.captures += 1
+            self._decoder, self._key = decoder, key
         return self._decoder
 
     def _prefill(self, sub: PromptBatch, dec: _Decoder) -> torch.Tensor:

@@ -187,6 +187,24 @@ def test_static_engine_gives_the_hf_tokens(trainer, temperature):
     assert torch.equal(full.responses, trainer.engine.generate(prompts, keys, params, batch_size=len(prompts)).responses)
 
 
+def test_the_static_engine_decodes_in_parts_when_the_cache_does_not_fit(trainer, monkeypatch, caplog):
+    """Where the free memory cannot hold every row's static cache (a validation beside a segment's
+    training state), the rows go through in equal parts, with the tokens they get at once."""
+    prompts = samples(trainer, n=2)  # 6 rows
+    static = make_engine("static", trainer.policy, trainer.processor)
+    whole = rollout(trainer, prompts, 1.0, max_tokens=8, engine=static)
+    calls = []
+    generate = static._generate
+    monkeypatch.setattr(static, "_generate", lambda sub, *a: calls.append(len(sub)) or generate(sub, *a))
+    per_row = static._rows_that_fit(prompts.input_ids.shape[1], 8)
+    assert per_row > 10**9  # the CPU: no bound
+    monkeypatch.setattr("vlgrpo.rollout.static.free_bytes", lambda device: 0)
+    with caplog.at_level("INFO", logger="vlgrpo.rollout.static"):
+        parts = rollout(trainer, prompts, 1.0, max_tokens=8, engine=static)
+    assert calls == [1] * 6 and "1 rows per call (6 rows' cache does not fit the free memory)" in caplog.text
+    assert torch.equal(parts.responses, whole.responses) and (parts.logp - whole.logp).abs().max() < 1e-5
+
+
 def test_the_static_decoder_is_kept_while_the_weights_stay_in_place(trainer):
     """A captured decode step reads weights by address: the engine keeps its decoder (and graph) across
     calls while they stay, and builds a new one when they move, as a sharded model's gathering may do."""

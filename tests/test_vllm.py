@@ -259,7 +259,8 @@ def test_an_unsupported_architecture_is_named():
 @needs_vllm
 def test_a_kv_cache_larger_than_memory_is_refused_with_its_size(trainer):
     """On the CPU the KV cache holds one rollout; a rollout that cannot fit says how big it is and why."""
-    from vlgrpo.rollout.vllm import VLLMEngine, VLLMError, kv_cache_bytes
+    from vlgrpo.models import kv_cache_bytes
+    from vlgrpo.rollout.vllm import VLLMEngine, VLLMError
 
     cfg = copy.deepcopy(trainer.cfg)
     cfg["worker"]["rollout"]["batch_size"] = 10**6

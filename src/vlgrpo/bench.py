@@ -105,7 +105,7 @@ def forward_flops(model_config, prompt_tokens: list[int], image_patches: list[in
     layers are counted as such). A text-only model's config has no vision part (image_patches are 0).
     """
     t, v = model_config.get_text_config(), getattr(model_config, "vision_config", None)
-    d = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    d = models.head_dim(t)
     text_linear = t.num_hidden_layers * (2 * t.hidden_size * t.num_attention_heads * d
                                          + 2 * t.hidden_size * t.num_key_value_heads * d + 3 * t.hidden_size * t.intermediate_size)
     attn = 2 * t.num_hidden_layers * t.num_attention_heads * d  # x S^2 (causal)

@@ -141,6 +141,18 @@ def text_model(model):
     return getattr(base, "language_model", base)
 
 
+def head_dim(text_config) -> int:
+    """Width of an attention head: the config's own head_dim where it sets one (Qwen3-VL-4B: 128, not
+    hidden / heads = 80)."""
+    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+
+
+def kv_cache_bytes(text_config, dtype, sequences: int, tokens: int) -> int:
+    """Bytes of keys and values for `sequences` sequences of `tokens` tokens each (all layers)."""
+    per_token = 2 * text_config.num_hidden_layers * text_config.num_key_value_heads * head_dim(text_config) * dtype.itemsize
+    return sequences * tokens * per_token
+
+
 def vision_tower(model):
     """The vision tower of a vision-language model; None for a text-only one."""
     return getattr(model.model, "visual", None)

@@ -19,6 +19,8 @@ masking: HFEngine.generate does the chunking and the masking), built for speed o
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import replace
 
 import torch
@@ -41,6 +43,21 @@ PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward: bounds its a
 DECODE_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 EOS_CHECK_EVERY = 32  # decode steps between host checks that every row has ended
 
+log = logging.getLogger(__name__)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation can take on `device`: free on the card plus what the caching allocator
+    holds unused; None off CUDA (no bound)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _cache_width(prompt_width: int, max_tokens: int) -> int:
+    """Cache columns for prompts `prompt_width` wide and `max_tokens` response tokens, rounded up to WIDTH_BUCKET."""
+    return -(-(prompt_width + max_tokens - 1) // WIDTH_BUCKET) * WIDTH_BUCKET
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -56,8 +73,7 @@ class _Decoder:
         self.layers, self.norm, self.embed, self.head = lm.layers, lm.norm, lm.embed_tokens, model.lm_head
         self.inv_freq, self.rope_scale = lm.rotary_emb.inv_freq, lm.rotary_emb.attention_scaling
         self.heads, self.kv_heads = text.num_attention_heads, text.num_key_value_heads
-        # Qwen3's head_dim is its own config value (128 for Qwen3-VL-4B, not hidden / heads = 80).
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.head_dim = models.head_dim(text)
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")  # Qwen3: RMSNorm per head before rope
         self.params, self.banned, self.eos, self.pad_id = params, banned, eos_ids, pad_id
         device, dtype = model.device, model.dtype
@@ -143,6 +159,31 @@ class StaticEngine(HFEngine):
         self._key = None
         self.captures = 0  # CUDA graphs recorded so far
 
+    def generate(self, prompts: PromptBatch, keys: torch.Tensor, params: SamplingParams, batch_size: int, progress=False):
+        """As HFEngine.generate, with at most the rows whose static cache fits the free memory per call
+        (in equal parts): a validation of every item at once beside a segment's training state."""
+        rows = min(batch_size, len(prompts))
+        fit = self._rows_that_fit(prompts.input_ids.shape[1], params.max_tokens)
+        if fit < rows:
+            rows = math.ceil(rows / math.ceil(rows / fit))
+            log.info("static engine: %d rows per call (%d rows' cache does not fit the free memory)", rows, min(batch_size, len(prompts)))
+        return super().generate(prompts, keys, params, rows, progress)
+
+    def _rows_that_fit(self, prompt_width: int, max_tokens: int) -> int:
+        """Rows a decoder may hold in the memory free now (its cache, output buffers and sampling
+        work space), beside the prefill's working set."""
+        free = free_bytes(self.model.device)
+        if free is None:
+            return 1 << 62
+        if self._decoder is not None:  # freed before a new decoder is made
+            free += self._decoder.k.nbytes + self._decoder.v.nbytes
+        text = models.text_model(self.model).config
+        dtype, vocab = self.model.dtype, self.model.lm_head.weight.shape[0]
+        per_row = models.kv_cache_bytes(text, dtype, 1, _cache_width(prompt_width, max_tokens)) + 4 * vocab * 4 + max_tokens * 16
+        # the prefill's prefix cache and activations
+        prefill = models.kv_cache_bytes(text, dtype, 1, PREFILL_TOKENS) + PREFILL_TOKENS * 24 * text.hidden_size * dtype.itemsize
+        return max(1, (free - prefill) // per_row)
+
     def _weight_addresses(self) -> tuple[int, ...]:
         """Where the decode step reads its weights. A captured graph reads them there; a sharded
         model's gathering may place them elsewhere (then the step is captured again)."""
@@ -204,7 +245,7 @@ class StaticEngine(HFEngine):
 
     def _generate(self, sub: PromptBatch, keys, params: SamplingParams, progress):
         rows, width = sub.input_ids.shape
-        cache_width = -(-(width + params.max_tokens - 1) // WIDTH_BUCKET) * WIDTH_BUCKET
+        cache_width = _cache_width(width, params.max_tokens)
         dec = self._decoder_for(rows, cache_width, params)
         dec.mask.zero_()
         logits = self._prefill(sub, dec)

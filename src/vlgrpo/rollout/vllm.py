@@ -96,13 +96,6 @@ def vllm_lora_rank(rank: int) -> int:
     return fits[0]
 
 
-def kv_cache_bytes(text_config, dtype: torch.dtype, sequences: int, tokens: int) -> int:
-    """Bytes of keys and values for `sequences` sequences of `tokens` tokens each (all layers)."""
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    per_token = 2 * text_config.num_hidden_layers * text_config.num_key_value_heads * head_dim * dtype.itemsize
-    return sequences * tokens * per_token
-
-
 def _collapse_image_runs(ids: list[int], image_token: int, video_token: int | None = None) -> list[int]:
     """Prompt ids with each run of image (video) placeholder tokens reduced to one (vLLM expands each
     image and video itself)."""
@@ -148,7 +141,7 @@ class VLLMEngine:
                 )
             self._lora_dir = tempfile.TemporaryDirectory(prefix="vlgrpo_lora_")
             self._lora_request, self._lora_id = None, 0
-        kv_bytes = None if self.sleeps else kv_cache_bytes(
+        kv_bytes = None if self.sleeps else models.kv_cache_bytes(
             model.config.get_text_config(), model.dtype, rollout["batch_size"] * rollout["n"], max_model_len
         )
         try:

@@ -202,6 +202,7 @@ class StaticEngine(HFEngine):
             if self.cuda_graph and params.max_tokens > 1:
                 decoder.capture()
                 self.captures += 1
+                log.info("static engine: decode step captured for %d rows, a cache %d wide (%d captures)", rows, width, self.captures)
             self._decoder, self._key = decoder, key
         return self._decoder
 

@@ -6,6 +6,7 @@ beside its tokenizer and chat template."""
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -118,8 +119,10 @@ def check_logprobs_and_engines(trainer, model_type: str, prompts):
         plain = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0)
         fast = ForwardOptions(prefix_sharing=family.serves("worker.actor.prefix_sharing"), logprobs_chunk_size=5)
         shared = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, fast)
+        packed = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, replace(fast, packed=True))
     assert torch.allclose(plain[mask], out.logp[mask], atol=1e-5), (plain - out.logp).abs().max()
     assert torch.allclose(shared[mask], plain[mask], atol=1e-5), (shared - plain).abs().max()
+    assert torch.allclose(packed[mask], plain[mask], atol=1e-5), (packed - plain).abs().max()
     if family.serves("worker.rollout.engine"):
         greedy = SamplingParams(0.0, 1.0, 12)
         hf = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))

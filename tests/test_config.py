@@ -75,10 +75,14 @@ def test_fast_paths_are_on_for_cuda_only_and_the_seed_recipe_runs_as_benchmarked
                                                 "worker.actor.logprobs", "worker.actor.old", "worker.rollout.engine",
                                                 "worker.rollout.cuda_graph"))]
     assert {k: cuda[k] for k in timed} == {k: bench[k] for k in timed}  # what the H200 benchmark measured
-    # with gradient checkpointing the no-grad passes share prefixes and the update does not
+    # with gradient checkpointing the update shares prefixes in packed rows (a 4-D mask: not with flash_attention_2)
     checkpointed = config.for_device(config.validate(config.deep_merge(MINIMAL, {"model": {"gradient_checkpointing": True}})), "cuda")
     assert checkpointed["worker"]["actor"]["prefix_sharing"] is True
-    assert ForwardOptions.from_config(checkpointed).prefix_sharing and not ForwardOptions.from_config(checkpointed, update=True).prefix_sharing
+    assert ForwardOptions.from_config(checkpointed) == ForwardOptions(True, checkpointed["worker"]["actor"]["logprobs_chunk_size"])
+    assert ForwardOptions.from_config(checkpointed, update=True).packed
+    checkpointed["model"]["attn_implementation"] = "flash_attention_2"
+    assert not ForwardOptions.from_config(checkpointed, update=True).prefix_sharing
+    assert ForwardOptions.from_config(checkpointed).prefix_sharing
     # the plain overlay turns every fast path off, also on CUDA
     both = flat(config.for_device(config.load(ROOT / "configs" / "qwen2_5_vl_3b_geo3k.yaml", ROOT / "configs" / "plain.yaml"), "cuda"))
     assert {k: both[k] for k in AUTO} == {k: plain[k] for k in AUTO}

@@ -16,6 +16,7 @@ from vlgrpo.rollout.sampling import sample_key
 from vlgrpo.trainer import GRPOTrainer
 
 FAST = ForwardOptions(prefix_sharing=True, logprobs_chunk_size=7)  # 7: chunks cross row boundaries
+PACKED = replace(FAST, packed=True)  # a prompt and its responses in one row (the update under gradient checkpointing)
 
 
 @pytest.fixture(scope="module")
@@ -55,29 +56,44 @@ def test_prompt_runs_find_each_prompts_samples(trainer):
     assert prompt_runs(prompts.select([3, 4, 0, 1, 2]))[0] == [0, 2]
 
 
-def test_shared_prefix_chunked_logprobs_equal_plain(trainer):
+@pytest.mark.parametrize("options", [FAST, PACKED], ids=["cache", "packed"])
+def test_shared_prefix_chunked_logprobs_equal_plain(trainer, options):
     prompts = samples(trainer)
     out = rollout(trainer, prompts)
     assert out.response_mask.sum() > 50 and len(set(out.lengths.tolist())) > 1  # ragged responses
     with torch.no_grad():
         plain = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 0.7)
-        fast = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 0.7, FAST)
+        fast = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 0.7, options)
+        # a micro-batch may hold part of a prompt's samples, and prompts with different numbers of them
+        rows = [1, 2, 3, 4, 5, 6]
+        part = response_logprobs(trainer.policy, prompts.select(rows), out.responses[rows], out.response_mask[rows], 0.7, options)
     mask = out.response_mask.bool()
     assert (fast - plain).abs().max() < 1e-5, (fast - plain).abs().max()
+    assert (part - plain[rows]).abs().max() < 1e-5
     assert (fast[~mask] == 0).all()
 
 
-def test_shared_prefix_chunked_gradients_equal_plain(trainer):
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("options", [FAST, PACKED], ids=["cache", "packed"])
+def test_shared_prefix_chunked_gradients_equal_plain(trainer, options, checkpointing):
+    if checkpointing and not options.packed:
+        pytest.skip("a checkpointed layer writes the prompt's cache twice: the update packs its rows then")
     prompts = samples(trainer, n=2)
     out = rollout(trainer, prompts, max_tokens=12)
     weights = torch.linspace(-1, 1, out.responses.numel()).view_as(out.responses)
     grads = {}
-    for name, options in (("plain", ForwardOptions()), ("fast", FAST)):
-        trainer.policy.zero_grad(set_to_none=True)
-        logp = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, options)
+    policy = trainer.policy
+    policy.train()
+    if checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for name, opts in (("plain", ForwardOptions()), ("fast", options)):
+        policy.zero_grad(set_to_none=True)
+        logp = response_logprobs(policy, prompts, out.responses, out.response_mask, 1.0, opts)
         (logp * weights).sum().backward()
-        grads[name] = {n: p.grad.clone() for n, p in trainer.policy.named_parameters() if p.grad is not None}
-    trainer.policy.zero_grad(set_to_none=True)
+        grads[name] = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    policy.zero_grad(set_to_none=True)
+    policy.gradient_checkpointing_disable()
+    policy.eval()
     assert grads["plain"].keys() == grads["fast"].keys()
     assert any("visual" in n for n in grads["fast"])  # the image's gradient goes through the shared prefix
     for n, g in grads["plain"].items():  # float32 sums in another order: relative error far under 1e-4
@@ -244,7 +260,7 @@ def test_dynamic_micro_batches_respect_the_token_budget(trainer):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_a_fast_step_equals_the_plain_step(demo_base, tmp_path, checkpointing):
     """One whole GRPO step with every switch on gives the plain step's metrics. With gradient
-    checkpointing the no-grad passes share prompt prefixes and the update does not."""
+    checkpointing the update shares prompt prefixes in packed rows."""
     records = {}
     fast = {"model": {"packed_vision_attention": True, "gradient_checkpointing": checkpointing, "fused_rms_norm": True,
                       "aligned_vision_mlp": True},
@@ -257,7 +273,8 @@ def test_a_fast_step_equals_the_plain_step(demo_base, tmp_path, checkpointing):
         t = GRPOTrainer(cfg)
         t.load(0)
         records[name] = t.step(1)
-    assert t.forward.prefix_sharing and t.update_forward.prefix_sharing is not checkpointing
+    assert t.forward.prefix_sharing and not t.forward.packed
+    assert t.update_forward.prefix_sharing and t.update_forward.packed is checkpointing
     for key in ("reward/overall", "response_length/mean", "actor/entropy_loss", "actor/pg_loss", "actor/kl_loss",
                 "actor/ppo_kl", "actor/grad_norm"):
         assert records["fast"][key] == pytest.approx(records["plain"][key], rel=1e-4, abs=1e-6), key

@@ -7,7 +7,10 @@ as EasyR1/verl do.
 
 Speed switches (ForwardOptions, all off by default and none changes the result beyond rounding):
 - prefix sharing: the n samples of a prompt share one forward over the prompt (images and videos included);
-  their responses attend to its cached keys/values at the positions the full forward gives them;
+  their responses attend to its cached keys/values at the positions the full forward gives them; or,
+  packed (the update under gradient checkpointing, which cannot recompute a layer that writes a cache),
+  the prompt and its responses form one row under a 4-D mask that lets each response see the prompt
+  and its own earlier tokens;
 - chunked log-probs: the LM head and log-softmax run over `logprobs_chunk_size` positions at a time
   and are recomputed in backward, so float32 full-vocabulary logits never exist for a micro-batch;
 - packed vision attention (set on the model by prepare_model): the vision tower's windows and images
@@ -23,9 +26,10 @@ token in every forward (models.text_positions), as EasyR1 and transformers' gene
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -39,6 +43,8 @@ from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.config import NO_CUDA, ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+log = logging.getLogger(__name__)
 
 
 def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
@@ -188,15 +194,22 @@ def is_model_dir(path: str | os.PathLike) -> bool:
 class ForwardOptions:
     prefix_sharing: bool = False
     logprobs_chunk_size: int = 0
+    packed: bool = False  # prefix sharing without a cache: a prompt and its responses in one row
 
     @classmethod
     def from_config(cls, cfg: dict, update: bool = False) -> "ForwardOptions":
-        """The switches of the no-grad log-prob passes (old, ref), or with `update` of the actor update:
-        there a checkpointed layer would append its keys/values to the prompt's cache again when
-        backward recomputes it, so prefix sharing needs gradient checkpointing off."""
-        actor = cfg["worker"]["actor"]
-        sharing = actor["prefix_sharing"] and not (update and cfg["model"]["gradient_checkpointing"])
-        return cls(sharing, actor["logprobs_chunk_size"])
+        """The switches of the no-grad log-prob passes (old, ref), or with `update` of the actor update.
+        Under gradient checkpointing the update shares prefixes packed: a checkpointed layer would write
+        its keys/values into the prompt's cache a second time when backward recomputes it. The packed
+        rows need a 4-D attention mask, which flash_attention_2 does not take: then it shares none."""
+        actor, model = cfg["worker"]["actor"], cfg["model"]
+        packed = update and model["gradient_checkpointing"]
+        sharing = actor["prefix_sharing"]
+        if sharing and packed and model["attn_implementation"] == "flash_attention_2":
+            log.info("worker.actor.prefix_sharing: off in the update (gradient checkpointing needs packed rows, "
+                     "whose 4-D attention mask flash_attention_2 does not take)")
+            sharing = False
+        return cls(sharing, actor["logprobs_chunk_size"], packed and sharing)
 
 
 def prompt_runs(prompts: PromptBatch) -> tuple[list[int], torch.Tensor]:
@@ -269,14 +282,20 @@ def multimodal_index(model, host: PromptBatch, device: torch.device) -> tuple[to
 
 
 def _multimodal_forward(model, prompts: PromptBatch, host: PromptBatch):
-    """The vision-language forward with the indices of multimodal_index passed in. Returns
-    (language model output, rope_deltas). Qwen2.5-VL's is spelled out here (embed, vision tower,
-    image features into their placeholders, language model) to hand its tower the CPU index; the
-    other families run their own forward with the rope positions given (deepstack included)."""
-    base = model.model
+    """The vision-language forward with the indices of multimodal_index passed in, with a cache.
+    Returns (language model output, rope_deltas)."""
     positions, deltas, tower = multimodal_index(model, host, prompts.input_ids.device)
+    return _vl_forward(model, prompts, positions, tower, prompts.attention_mask, use_cache=True), deltas
+
+
+def _vl_forward(model, prompts: PromptBatch, positions, tower: dict, attention_mask, use_cache: bool):
+    """The vision-language forward at rope `positions` (3, N, L) under `attention_mask` (the rows' 2-D
+    mask or a 4-D one). Qwen2.5-VL's is spelled out here (embed, vision tower, image features into
+    their placeholders, language model) to hand its tower the CPU index `tower`; the other families
+    run their own forward with the rope positions given (deepstack included)."""
+    base = model.model
     if not tower:
-        return base(**prompts.model_inputs(), position_ids=positions, use_cache=True), deltas
+        return base(**{**prompts.model_inputs(), "attention_mask": attention_mask}, position_ids=positions, use_cache=use_cache)
     embeds = base.get_input_embeddings()(prompts.input_ids)
     video_index = tower.pop("video", None)
     for pixels, grid, index, token in ((prompts.pixel_values, prompts.image_grid_thw, tower, base.config.image_token_id),
@@ -285,8 +304,7 @@ def _multimodal_forward(model, prompts: PromptBatch, host: PromptBatch):
             continue
         features = base.visual(pixels.type(base.visual.dtype), grid_thw=grid, **index).pooler_output
         embeds = embeds.masked_scatter((prompts.input_ids == token)[..., None], features.to(embeds.dtype))
-    out = base.language_model(inputs_embeds=embeds, attention_mask=prompts.attention_mask, position_ids=positions, use_cache=True)
-    return out, deltas
+    return base.language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions, use_cache=use_cache)
 
 
 def prefix_forward(model, prompts: PromptBatch, host: PromptBatch) -> Prefix:
@@ -328,6 +346,53 @@ def _shared_prefix_hidden(model, unique: PromptBatch, host: PromptBatch, source,
         use_cache=True, **{_cache_kwarg(lm): cache},
     )
     return torch.cat([prefix.last_hidden.index_select(0, source)[:, None], out.last_hidden_state[:, :-1]], dim=1)
+
+
+def _packed_prefix_hidden(model, unique: PromptBatch, host: PromptBatch, source, responses, response_mask) -> torch.Tensor:
+    """Hidden states that predict each response token, each distinct prompt encoded once, without a
+    cache (so checkpointed layers can recompute): a prompt and its samples' responses form one row,
+    [prompt | response 1 | ... | response k], where each response attends to the prompt and to its
+    own earlier tokens, at the rope positions the plain forward gives it. -> (N, R, H)
+
+    unique: the U distinct prompts (P columns, on the model's device), host: the same on the CPU;
+    source: (N,) each row's prompt in it, nondecreasing (a prompt's samples are consecutive rows).
+    """
+    device, (U, P), (N, R) = responses.device, unique.input_ids.shape, responses.shape
+    counts = torch.bincount(source, minlength=U)
+    slot = torch.arange(N, device=device) - (counts.cumsum(0) - counts)[source]  # (N,) sample index within its prompt
+    k = int(counts.max())
+    block = responses.new_zeros((U, k, R))  # slots a prompt has no sample for are never attended nor read
+    block[source, slot] = responses
+    valid = response_mask.new_zeros((U, k, R))
+    valid[source, slot] = response_mask
+    ids = torch.cat([unique.input_ids, block.view(U, k * R)], dim=1)  # (U, L), L = P + k R
+    keys = torch.cat([unique.attention_mask, valid.view(U, k * R)], dim=1).bool()  # (U, L) keys that exist
+    segment = torch.cat([torch.full((P,), -1, device=device), torch.arange(k, device=device).repeat_interleave(R)])  # (L,) -1: prompt
+    index = torch.cat([torch.arange(P, device=device), torch.arange(R, device=device).repeat(k)])  # (L,) place in its segment
+    causal = (segment[:, None] == segment[None, :]) & (index[None, :] <= index[:, None])  # (L, L) query x key
+    sees = (causal | ((segment[:, None] >= 0) & (segment[None, :] < 0)))[None] & keys[:, None, :]  # responses see the prompt
+    sees |= torch.eye(ids.shape[1], dtype=torch.bool, device=device)  # no empty query row (left padding); its output is unused
+    mask = sees[:, None]  # (U, 1, L, L) True: attend
+    if model.config._attn_implementation == "eager":
+        mask = torch.zeros(mask.shape, dtype=model.dtype, device=device).masked_fill_(~mask, torch.finfo(model.dtype).min)
+    text_positions = models.text_positions(model, unique.attention_mask)
+    if text_positions is not None:  # a text-only model: 1-D rope from each row's first real token
+        follow = unique.attention_mask.sum(-1)
+    else:
+        prompt_positions, deltas, tower = multimodal_index(model, host, device)
+        follow = deltas + unique.attention_mask.sum(-1)
+    after = (follow[:, None] + torch.arange(R, device=device)).repeat(1, k)  # (U, k R) each response continues the prompt
+    if text_positions is not None:
+        out = model.model(input_ids=ids, attention_mask=mask, position_ids=torch.cat([text_positions, after], dim=1), use_cache=False)
+    else:
+        positions = torch.cat([prompt_positions, after[None].expand(3, -1, -1)], dim=2)  # (3, U, L): text after the prompt, equal axes
+        mm = unique.mm_token_type_ids
+        packed = replace(unique, input_ids=ids, attention_mask=keys.long(),
+                         mm_token_type_ids=None if mm is None else torch.cat([mm, mm.new_zeros((U, k * R))], dim=1))
+        out = _vl_forward(model, packed, positions, tower, mask, use_cache=False)
+    t = torch.arange(R, device=device)
+    at = torch.where(t == 0, P - 1, P + slot[:, None] * R + t - 1)  # (N, R) the position that predicts token t
+    return out.last_hidden_state[source[:, None], at]
 
 
 def token_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int) -> torch.Tensor:
@@ -379,7 +444,8 @@ def _response_logprobs(model, prompts, responses, response_mask, temperature, op
     if options.prefix_sharing:  # runs found where the prompts are (the CPU): only distinct prompts travel
         first, source = prompt_runs(prompts)
         host = prompts.select(first)
-        hidden = _shared_prefix_hidden(model, host.to(device, model.dtype), host, to_device(source, device), responses, response_mask)
+        shared = _packed_prefix_hidden if options.packed else _shared_prefix_hidden
+        hidden = shared(model, host.to(device, model.dtype), host, to_device(source, device), responses, response_mask)
     else:
         prompts = prompts.to(device, model.dtype)
         inputs = prompts.model_inputs()

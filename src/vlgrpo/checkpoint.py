@@ -335,7 +335,7 @@ def _groups(tensors: dict[str, torch.Tensor], count: int) -> list[list[tuple[str
 def model_tensors(model) -> dict[str, torch.Tensor]:
     """The model's saved tensors by name (DTensors when FSDP2 shards it: the parameters themselves);
     tied aliases (lm_head = embeddings) left out, as save_pretrained does."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict  # 0.5 s to import; only a save needs it
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     if lora.has_adapters(model):  # the adapters only, under peft's names; the base model is referenced
         return lora.adapter_tensors(model)

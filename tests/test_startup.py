@@ -58,3 +58,21 @@ def test_the_job_start_is_the_process_start():
     started, then = seen
     assert before - 0.011 <= started <= then  # to a clock tick (10 ms)
     assert started - before < 0.5  # the interpreter's own start
+
+
+def test_bench_startup_names_the_costliest_first_imports():
+    from test_scripts import load_script
+
+    lines = [  # python -X importtime prints a module after its own imports, indented by depth
+        "import time: self [us] | cumulative | imported package",
+        "import time:       100 |        100 |     torch._C",
+        "import time:       400 |        500 |   torch",
+        "import time:        50 |         50 |     torchvision.ops",
+        "import time:       150 |        200 |   torchvision",
+        "import time:        10 |        710 | vlgrpo.trainer",
+    ]
+    assert load_script("bench_startup").first_imports(lines) == [
+        {"module": "vlgrpo.trainer", "cumulative_s": 7.1e-4, "imported_by": None},
+        {"module": "torch", "cumulative_s": 5e-4, "imported_by": "vlgrpo.trainer"},
+        {"module": "torchvision", "cumulative_s": 2e-4, "imported_by": "vlgrpo.trainer"},
+    ]

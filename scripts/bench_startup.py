@@ -50,7 +50,7 @@ def make_demo(work: Path, device: str) -> Path:
 
     demo = work / "_demo"
     cfg = config.load(ROOT / "config.yaml", overrides={
-        "experiment": "bench_startup", "results_dir": str(work / "results"),
+        "experiment": f"bench_startup_{device}", "results_dir": str(work / "results"),
         "demo": {"out_dir": str(demo), "n_train": 64, "n_val": 16, "n_test": 16, "warmup_steps": 30},
         "model": {"path": str(demo / "tiny_qwen2_5_vl")},
         "data": {"train": str(demo / "geometry_synth/train.parquet"), "val": str(demo / "geometry_synth/test.parquet")},

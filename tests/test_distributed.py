@@ -50,7 +50,7 @@ def torchrun(nproc: int) -> list[str]:
 def train(cfg: dict, end_step: int, nproc: int):
     """One segment of `cfg` to end_step on nproc processes (1: no torchrun, today's path)."""
     exp = config.experiment_dir(cfg)
-    args = ["-m", "vlgrpo.trainer", "--config", str(paths.path(paths.RESOLVED, exp)), "--end-step", str(end_step),
+    args = ["-m", "vlgrpo.segment", "--config", str(paths.path(paths.RESOLVED, exp)), "--end-step", str(end_step),
             "--marker", str(paths.path(paths.MARKER, exp, step=end_step))]
     cmd = [sys.executable, *args] if nproc == 1 else [*torchrun(nproc), *args]
     done = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600)
@@ -197,7 +197,7 @@ def test_a_rank_that_hangs_stalls_the_heartbeat_and_the_watchdog_kills_every_ran
     while time.time() < deadline and not metrics.exists():
         time.sleep(0.5)  # the first step is done: both ranks are really running
     tree = psutil.Process(wrapper.pid).children(recursive=True)
-    (rank1,) = [p for p in tree if p.environ().get("RANK") == "1" and "vlgrpo.trainer" in " ".join(p.cmdline())]
+    (rank1,) = [p for p in tree if p.environ().get("RANK") == "1" and "vlgrpo.segment" in " ".join(p.cmdline())]
     rank1.send_signal(signal.SIGSTOP)
     stopped = time.time()
     _, err = wrapper.communicate(timeout=120)
@@ -253,13 +253,13 @@ def test_the_segment_command_is_torchrun_for_several_processes():
 
     base = {"experiment": "x", "trainer": {"n_gpus_per_node": 1, "nnodes": 1, "rdzv_endpoint": None, "always_torchrun": False}}
     args = ["--config", "c.yaml", "--end-step", "5"]
-    assert trainer_command(base, args)[1:] == ["-m", "vlgrpo.trainer", *args]  # today's single process
+    assert trainer_command(base, args)[1:] == ["-m", "vlgrpo.segment", *args]  # today's single process
     one_rank = trainer_command(config.deep_merge(base, {"trainer": {"always_torchrun": True}}), args)
     assert one_rank[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "0",
-                            "-m", "vlgrpo.trainer", *args]
+                            "-m", "vlgrpo.segment", *args]
     one_node = trainer_command(config.deep_merge(base, {"trainer": {"n_gpus_per_node": 4}}), args)
     assert one_node[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--max-restarts", "0",
-                            "-m", "vlgrpo.trainer", *args]
+                            "-m", "vlgrpo.segment", *args]
     two_nodes = trainer_command(config.deep_merge(base, {"trainer": {"n_gpus_per_node": 8, "nnodes": 2, "rdzv_endpoint": "n1:29400"}}), args)
     assert two_nodes[3:13] == ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n1:29400", "--rdzv-id", "x-5",
                                "--nproc-per-node", "8"]

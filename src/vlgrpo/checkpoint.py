@@ -47,7 +47,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from vlgrpo import atomic, console, distributed, lora, paths, plan
@@ -336,6 +335,8 @@ def _groups(tensors: dict[str, torch.Tensor], count: int) -> list[list[tuple[str
 def model_tensors(model) -> dict[str, torch.Tensor]:
     """The model's saved tensors by name (DTensors when FSDP2 shards it: the parameters themselves);
     tied aliases (lm_head = embeddings) left out, as save_pretrained does."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     if lora.has_adapters(model):  # the adapters only, under peft's names; the base model is referenced
         return lora.adapter_tensors(model)
     unique = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}

@@ -33,7 +33,7 @@ import psutil
 import yaml
 
 from vlgrpo import config as config_lib
-from vlgrpo import console, failures, locks, paths
+from vlgrpo import clock, console, failures, locks, paths
 
 
 def cmd_resolve(args) -> None:
@@ -81,18 +81,18 @@ def cmd_evaluate(args) -> None:
 
 
 def trainer_command(cfg: dict, args: list[str]) -> list[str]:
-    """The segment's command: the trainer module, under torchrun when the segment has several processes
+    """The segment's command: the trainer (vlgrpo.segment), under torchrun when the segment has several processes
     (trainer.n_gpus_per_node x nnodes) or trainer.always_torchrun asks for it. --max-restarts 0: one rank that
     dies fails the whole job, and Snakemake's retry resumes it from the last checkpoint."""
     trainer = cfg["trainer"]
     if config_lib.processes(cfg) == 1 and not trainer["always_torchrun"]:
-        return [sys.executable, "-m", "vlgrpo.trainer", *args]
+        return [sys.executable, "-m", "vlgrpo.segment", *args]
     nodes = ["--standalone"] if trainer["nnodes"] == 1 else [
         "--nnodes", str(trainer["nnodes"]), "--rdzv-backend", "c10d", "--rdzv-endpoint", trainer["rdzv_endpoint"],
         "--rdzv-id", f"{cfg['experiment']}-{args[args.index('--end-step') + 1]}",
     ]
     return [sys.executable, "-m", "torch.distributed.run", *nodes, "--nproc-per-node", str(max(1, trainer["n_gpus_per_node"])),
-            "--max-restarts", "0", "-m", "vlgrpo.trainer", *args]
+            "--max-restarts", "0", "-m", "vlgrpo.segment", *args]
 
 
 def kill_tree(pid: int) -> None:
@@ -119,7 +119,7 @@ def cmd_train(args) -> None:
     heartbeat.parent.mkdir(parents=True, exist_ok=True)
     heartbeat.touch()
     timeout = cfg["trainer"]["stall_timeout_s"]
-    started = psutil.Process().create_time()  # the segment's startup time counts from the job's start
+    started = clock.process_start()  # the segment's startup time counts from the job's start
     child = subprocess.Popen(
         trainer_command(cfg, ["--config", str(args.config), "--end-step", str(args.end_step),
                               "--marker", str(marker), "--heartbeat", str(heartbeat)]),

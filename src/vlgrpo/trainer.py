@@ -45,12 +45,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
-import psutil
 import torch
 from tqdm.auto import tqdm
 
 from vlgrpo import config as config_lib
-from vlgrpo import atomic, distributed, estimators, evaluate, failures, grpo, locks, lora, metrics, models, paths, plan, val_results
+from vlgrpo import atomic, clock, distributed, estimators, evaluate, failures, grpo, locks, lora, metrics, models, paths, plan, val_results
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.checkpoint import CheckpointStore, PendingSave, apply_retention
 from vlgrpo.data.filtering import load_filtered
@@ -561,7 +560,7 @@ def _run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | 
     startup (job start to model build: interpreter, imports, data), build_model, load_checkpoint,
     train, save_checkpoint, validation.
     """
-    job_start = float(os.environ.get("VLGRPO_JOB_START") or psutil.Process().create_time())
+    job_start = float(os.environ.get("VLGRPO_JOB_START") or clock.process_start())
     times: dict[str, float] = {}
     trainer = GRPOTrainer(cfg, heartbeat)
     rank0 = distributed.is_rank0()  # the only writer of metrics, W&B, retention and the marker

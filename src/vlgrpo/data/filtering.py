@@ -337,7 +337,7 @@ def filter_split(
         template=data["format_prompt"],
         min_pixels=data["min_pixels"],
         max_pixels=data["max_pixels"],
-        processor_pixels=processor_pixel_bounds(processor) if family.vision else (0, 0),
+        processor_pixels=processor_pixel_bounds(processor),
         max_prompt_length=data["max_prompt_length"],
         drop_overlong=data["filter_overlong_prompts"],
         text_only_model="" if family.vision else family.title,

@@ -38,7 +38,10 @@ class ResizeMismatchError(VlgrpoError, ValueError):
 
 
 def processor_pixel_bounds(processor: ProcessorMixin) -> tuple[int, int]:
-    """The processor's own (min_pixels, max_pixels), the bounds its smart_resize snaps with."""
+    """The processor's own (min_pixels, max_pixels), the bounds its smart_resize snaps with; (0, 0) for a
+    text-only model's tokenizer (no images)."""
+    if getattr(processor, "image_processor", None) is None:
+        return 0, 0
     size = processor.image_processor.size
     return size.shortest_edge, size.longest_edge
 

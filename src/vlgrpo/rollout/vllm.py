@@ -120,7 +120,7 @@ class VLLMEngine:
         self.sleeps = model.device.type == "cuda"  # vLLM's sleep mode exists on CUDA (and ROCm, XPU) only
         # the images arrive sized by vlgrpo.data.images.model_image_size; vLLM's processor snaps them with
         # the same bounds as the hf processor, so it leaves them as they are (token counts checked in generate)
-        min_pixels, max_pixels = processor_pixel_bounds(processor) if self.vision else (0, 0)
+        min_pixels, max_pixels = processor_pixel_bounds(processor)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: weights pushed by reference
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))  # else vLLM cuts training's threads to 1
         distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -290,3 +290,17 @@ def test_old_logprobs_from_the_update_equal_a_separate_pass(demo_base, tmp_path)
         records[name] = t.step(1)
     for key in ("actor/entropy_loss", "actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "actor/grad_norm", "actor/pg_clipfrac_higher"):
         assert records["from_update"][key] == pytest.approx(records["separate"][key], rel=1e-4, abs=1e-6), key
+
+
+def test_packed_prefix_with_eager_attention_equals_plain(demo_base, tmp_path):
+    """The packed rows' 4-D mask as eager attention takes it (additive), under gradient checkpointing."""
+    t = GRPOTrainer(make_experiment(demo_base, tmp_path, {"model": {"attn_implementation": "eager"}}))
+    t.load(0)
+    prompts = samples(t, n=2)
+    out = rollout(t, prompts, max_tokens=10)
+    t.policy.train()
+    t.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain = response_logprobs(t.policy, prompts, out.responses, out.response_mask, 1.0)
+    packed = response_logprobs(t.policy, prompts, out.responses, out.response_mask, 1.0, PACKED)
+    assert t.policy.model.language_model.config._attn_implementation == "eager"
+    assert (packed - plain).abs().max() < 1e-5, (packed - plain).abs().max()

@@ -375,17 +375,18 @@ def _packed_prefix_hidden(model, unique: PromptBatch, host: PromptBatch, source,
     mask = sees[:, None]  # (U, 1, L, L) True: attend
     if model.config._attn_implementation == "eager":
         mask = torch.zeros(mask.shape, dtype=model.dtype, device=device).masked_fill_(~mask, torch.finfo(model.dtype).min)
+
+    def after(follow):  # (U,) position after each prompt -> (U, k R): each response continues its prompt
+        return (follow[:, None] + torch.arange(R, device=device)).repeat(1, k)
+
     text_positions = models.text_positions(model, unique.attention_mask)
     if text_positions is not None:  # a text-only model: 1-D rope from each row's first real token
-        follow = unique.attention_mask.sum(-1)
+        positions = torch.cat([text_positions, after(unique.attention_mask.sum(-1))], dim=1)
+        out = model.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
     else:
         prompt_positions, deltas, tower = multimodal_index(model, host, device)
-        follow = deltas + unique.attention_mask.sum(-1)
-    after = (follow[:, None] + torch.arange(R, device=device)).repeat(1, k)  # (U, k R) each response continues the prompt
-    if text_positions is not None:
-        out = model.model(input_ids=ids, attention_mask=mask, position_ids=torch.cat([text_positions, after], dim=1), use_cache=False)
-    else:
-        positions = torch.cat([prompt_positions, after[None].expand(3, -1, -1)], dim=2)  # (3, U, L): text after the prompt, equal axes
+        following = after(deltas + unique.attention_mask.sum(-1))[None].expand(3, -1, -1)  # text after the prompt: equal axes
+        positions = torch.cat([prompt_positions, following], dim=2)  # (3, U, L)
         mm = unique.mm_token_type_ids
         packed = replace(unique, input_ids=ids, attention_mask=keys.long(),
                          mm_token_type_ids=None if mm is None else torch.cat([mm, mm.new_zeros((U, k * R))], dim=1))

@@ -44,3 +44,26 @@ def test_cpu_benchmark_writes_the_table_json(demo_base, tmp_path, capsys):
     profile = {line.split()[0]: float(line.split()[1]) for line in out.with_suffix(".profile.txt").read_text().splitlines()[1:7]}
     assert set(profile) == {"gen", "old", "ref", "reward", "adv", "update_actor"}
     assert 0 < profile["update_actor"] <= saved["steps_s"][-1]
+
+
+def test_the_profile_summary_puts_each_kernel_in_the_phase_that_launched_it():
+    """A kernel launched at the end of `old` and run during `ref` counts for `old`; busy = kernel / wall."""
+    events = [
+        {"cat": "user_annotation", "name": "old", "ts": 0.0, "dur": 1e6},
+        {"cat": "user_annotation", "name": "ref", "ts": 1e6, "dur": 2e6},
+        {"cat": "user_annotation", "name": "encode", "ts": 1e6, "dur": 1e5},  # not a phase
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 9e5, "dur": 5.0, "args": {"correlation": 1}},
+        {"cat": "kernel", "name": "gemm", "ts": 1.1e6, "dur": 5e5, "args": {"correlation": 1}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1.5e6, "dur": 5.0, "args": {"correlation": 2}},
+        {"cat": "kernel", "name": "softmax", "ts": 1.6e6, "dur": 2.5e5, "args": {"correlation": 2}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1.7e6, "dur": 5.0, "args": {"correlation": 3}},
+        {"cat": "kernel", "name": "gemm", "ts": 1.8e6, "dur": 2.5e5, "args": {"correlation": 3}},
+    ]
+    lines = bench.profile_summary(events).splitlines()
+    rows = {line.split()[0]: [float(x.rstrip("%")) for x in line.split()[1:]] for line in lines[1:3]}
+    assert rows["old"] == [1.0, 0.5, 50.0, 1.0, 1e6]  # wall s, gpu s, busy %, kernels, us per launch
+    assert rows["ref"] == [2.0, 0.5, 25.0, 2.0, 1e6]
+    assert "encode" not in rows
+    ref_top = lines[lines.index("ref: costliest kernels (s)") + 1 :]
+    assert [line.split() for line in ref_top] == [["0.250", "softmax"], ["0.250", "gemm"]] or \
+           [line.split() for line in ref_top] == [["0.250", "gemm"], ["0.250", "softmax"]]

@@ -30,6 +30,7 @@ import platform
 import shutil
 import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -150,24 +151,62 @@ def step_flops(trainer: GRPOTrainer, step: int, response_tokens: float) -> float
 
 
 def profiled(device: torch.device, out: Path | None):
-    """A profiler over one step writing its summary to `out` (a no-op context without `out`)."""
+    """A profiler over one step writing its summary to `out` (a no-op context without `out`).
+
+    The trace is exported by the profiler's C++ side and summarised from its JSON (profile_summary):
+    turning a whole step's events into Python objects (key_averages) takes minutes on a GPU step.
+    """
     if out is None:
         return contextlib.nullcontext()
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
 
     def summarise(prof) -> None:
-        events = prof.key_averages()
-        phases = [e for e in events if e.key in PHASES]
-        lines = [f"{'phase':<16}{'wall s':>10}{'gpu kernels s':>15}{'gpu busy':>10}"]
-        for e in phases:
-            wall, gpu = e.cpu_time_total / 1e6, getattr(e, "device_time_total", 0.0) / 1e6
-            lines.append(f"{e.key:<16}{wall:>10.2f}{gpu:>15.2f}{gpu / wall if wall else 0:>10.0%}")
-        sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
-        table = events.table(sort_by=sort, row_limit=40, max_name_column_width=60)
-        out.write_text("\n".join(lines) + "\n\n" + table + "\n")
+        trace = out.with_suffix(".trace.json")
+        prof.export_chrome_trace(str(trace))
+        out.write_text(profile_summary(json.loads(trace.read_text())["traceEvents"]))
+        trace.unlink()
         log.info("profile written to %s", out)
 
     return torch.profiler.profile(activities=activities, on_trace_ready=summarise)
+
+
+def profile_summary(events: list[dict], top: int = 8) -> str:
+    """Per phase (a `timer` range): wall s, GPU kernel s, busy fraction, kernels launched and the
+    host time per launch; then each phase's costliest kernels. events: a Chrome trace's traceEvents.
+
+    A kernel belongs to the phase whose range holds the host call that launched it (matched by the
+    trace's correlation ids), so work queued in one phase and run in the next counts where it was queued.
+    """
+    ranges = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                    if e.get("cat") == "user_annotation" and e.get("name") in PHASES)
+    launched_at = {e["args"]["correlation"]: e["ts"] for e in events
+                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+
+    def phase_of(ts):
+        for start, end, name in ranges:
+            if start <= ts <= end:
+                return name
+        return None
+
+    gpu, launches, kernels = defaultdict(float), defaultdict(int), defaultdict(lambda: defaultdict(float))
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        phase = phase_of(launched_at.get(e.get("args", {}).get("correlation"), -1.0))
+        if phase is not None:
+            gpu[phase] += e["dur"] / 1e6
+            launches[phase] += 1
+            kernels[phase][e["name"][:90]] += e["dur"] / 1e6
+    lines = [f"{'phase':<16}{'wall s':>10}{'gpu kernels s':>15}{'gpu busy':>10}{'kernels':>10}{'us/launch':>11}"]
+    for start, end, name in ranges:
+        wall = (end - start) / 1e6
+        per_launch = wall * 1e6 / launches[name] if launches[name] else 0.0
+        lines.append(f"{name:<16}{wall:>10.3f}{gpu[name]:>15.3f}{gpu[name] / wall if wall else 0:>10.0%}{launches[name]:>10}{per_launch:>11.1f}")
+    for _, _, name in ranges:
+        if kernels[name]:
+            lines += ["", f"{name}: costliest kernels (s)"]
+            lines += [f"{t:>10.3f}  {k}" for k, t in sorted(kernels[name].items(), key=lambda kv: -kv[1])[:top]]
+    return "\n".join(lines) + "\n"
 
 
 def run_steps(trainer: GRPOTrainer, steps: range, device: torch.device, peak_tflops: float, profile: Path | None = None) -> dict:

@@ -220,6 +220,22 @@ def test_the_static_engine_decodes_in_parts_when_the_cache_does_not_fit(trainer,
     assert torch.equal(parts.responses, whole.responses) and (parts.logp - whole.logp).abs().max() < 1e-5
 
 
+def test_the_free_memory_counts_the_allocators_unused_blocks_within_the_process_share(monkeypatch):
+    """free_bytes: card free + reserved - allocated, bounded by the share set_per_process_memory_fraction
+    gives the process (the allocator refuses beyond it)."""
+    from vlgrpo.rollout.static import free_bytes
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * gib, 140 * gib), raising=False)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 60 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 50 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False)
+    assert free_bytes(torch.device("cuda")) == 50 * gib  # 40 free on the card + 10 cached
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.5, raising=False)
+    assert free_bytes(torch.device("cuda")) == 20 * gib  # a 70 GiB share, 50 allocated
+    assert free_bytes(torch.device("cpu")) is None
+
+
 def test_the_static_decoder_is_kept_while_the_weights_stay_in_place(trainer):
     """A captured decode step reads weights by address: the engine keeps its decoder (and graph) across
     calls while they stay, and builds a new one when they move, as a sharded model's gathering may do."""

@@ -48,10 +48,14 @@ log = logging.getLogger(__name__)
 
 def free_bytes(device: torch.device) -> int | None:
     """Memory a new allocation can take on `device`: free on the card plus what the caching allocator
-    holds unused; None off CUDA (no bound)."""
+    holds unused, within the process's share (torch.cuda.set_per_process_memory_fraction, which
+    the allocator enforces); None off CUDA (no bound)."""
     if device.type != "cuda":
         return None
-    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    card_free, total = torch.cuda.mem_get_info(device)
+    reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device) if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
+    return min(card_free + reserved, int(fraction * total)) - allocated
 
 
 def _cache_width(prompt_width: int, max_tokens: int) -> int:

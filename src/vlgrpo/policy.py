@@ -329,8 +329,9 @@ def _shared_prefix_hidden(model, unique: PromptBatch, host: PromptBatch, source,
     """Hidden states that predict each response token, each distinct prompt encoded once. -> (N, R, H)
 
     unique: the U distinct prompts (on the model's device), host: the same on the CPU; source: (N,)
-    each row's prompt in it.
+    each row's prompt in it, on the CPU.
     """
+    source = to_device(source, responses.device)
     prefix = prefix_forward(model, unique, host)
     cache = DynamicCache(config=model.config)
     lm = models.text_model(model)
@@ -355,12 +356,14 @@ def _packed_prefix_hidden(model, unique: PromptBatch, host: PromptBatch, source,
     own earlier tokens, at the rope positions the plain forward gives it. -> (N, R, H)
 
     unique: the U distinct prompts (P columns, on the model's device), host: the same on the CPU;
-    source: (N,) each row's prompt in it, nondecreasing (a prompt's samples are consecutive rows).
+    source: (N,) each row's prompt in it, nondecreasing (a prompt's samples are consecutive rows), on
+    the CPU (the layout is read there: no wait for the device).
     """
     device, (U, P), (N, R) = responses.device, unique.input_ids.shape, responses.shape
     counts = torch.bincount(source, minlength=U)
-    slot = torch.arange(N, device=device) - (counts.cumsum(0) - counts)[source]  # (N,) sample index within its prompt
+    slot = torch.arange(N) - (counts.cumsum(0) - counts)[source]  # (N,) sample index within its prompt
     k = int(counts.max())
+    source, slot = to_device(source, device), to_device(slot, device)
     block = responses.new_zeros((U, k, R))  # slots a prompt has no sample for are never attended nor read
     block[source, slot] = responses
     valid = response_mask.new_zeros((U, k, R))
@@ -446,7 +449,7 @@ def _response_logprobs(model, prompts, responses, response_mask, temperature, op
         first, source = prompt_runs(prompts)
         host = prompts.select(first)
         shared = _packed_prefix_hidden if options.packed else _shared_prefix_hidden
-        hidden = shared(model, host.to(device, model.dtype), host, to_device(source, device), responses, response_mask)
+        hidden = shared(model, host.to(device, model.dtype), host, source, responses, response_mask)
     else:
         prompts = prompts.to(device, model.dtype)
         inputs = prompts.model_inputs()

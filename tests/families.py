@@ -105,6 +105,7 @@ def check_logprobs_and_engines(trainer, model_type: str, prompts):
     """On `trainer`'s policy: sampled log-probs equal the training forward's, the fast paths the family
     serves (prefix sharing, chunked log-probs) equal the plain forward, and where it serves the static
     engine, its greedy tokens equal the hf engine's. Returns (the hf rollout, plain log-probs)."""
+    from vlgrpo.attention import PREFIX_ROWS_ATTENTION
     from vlgrpo.policy import ForwardOptions, response_logprobs
     from vlgrpo.rollout import SamplingParams
     from vlgrpo.rollout.hf import HFEngine
@@ -120,9 +121,16 @@ def check_logprobs_and_engines(trainer, model_type: str, prompts):
         fast = ForwardOptions(prefix_sharing=family.serves("worker.actor.prefix_sharing"), logprobs_chunk_size=5)
         shared = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, fast)
         packed = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, replace(fast, packed=True))
+        text = models.text_model(trainer.policy).config  # packed rows attended segment by segment, as under checkpointing
+        before, text._attn_implementation = text._attn_implementation, PREFIX_ROWS_ATTENTION
+        try:
+            segments = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, replace(fast, packed=True))
+        finally:
+            text._attn_implementation = before
     assert torch.allclose(plain[mask], out.logp[mask], atol=1e-5), (plain - out.logp).abs().max()
     assert torch.allclose(shared[mask], plain[mask], atol=1e-5), (shared - plain).abs().max()
     assert torch.allclose(packed[mask], plain[mask], atol=1e-5), (packed - plain).abs().max()
+    assert torch.allclose(segments[mask], plain[mask], atol=1e-5), (segments - plain).abs().max()
     if family.serves("worker.rollout.engine"):
         greedy = SamplingParams(0.0, 1.0, 12)
         hf = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))

@@ -1,5 +1,6 @@
 """The speed switches compute what the plain paths compute (tiny demo model, float32, CPU)."""
 
+import contextlib
 import copy
 from dataclasses import replace
 
@@ -7,6 +8,8 @@ import pytest
 import torch
 
 from conftest import make_experiment
+from vlgrpo import models
+from vlgrpo.attention import PREFIX_ROWS_ATTENTION
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.prompts import encode_prompts, render_prompt
 from vlgrpo.policy import (ForwardOptions, aligned_mlp, micro_batches, prefix_forward, prepare_model, prompt_runs,
@@ -37,6 +40,17 @@ def samples(trainer, n=3, count=3):
     return batch.repeat_interleave(n)
 
 
+@contextlib.contextmanager
+def text_attention(model, name: str):
+    """The language model's attention function set to `name` meanwhile (as prepare_model sets it)."""
+    config = models.text_model(model).config
+    before, config._attn_implementation = config._attn_implementation, name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
 def rollout(trainer, prompts, temperature=1.0, max_tokens=20, engine=None):
     keys = torch.tensor([sample_key(1, 2, i) for i in range(len(prompts))])
     params = SamplingParams(temperature, 1.0, max_tokens)
@@ -56,27 +70,31 @@ def test_prompt_runs_find_each_prompts_samples(trainer):
     assert prompt_runs(prompts.select([3, 4, 0, 1, 2]))[0] == [0, 2]
 
 
-@pytest.mark.parametrize("options", [FAST, PACKED], ids=["cache", "packed"])
-def test_shared_prefix_chunked_logprobs_equal_plain(trainer, options):
+@pytest.mark.parametrize("options,attention", [(FAST, "sdpa"), (PACKED, "sdpa"), (PACKED, PREFIX_ROWS_ATTENTION)],
+                         ids=["cache", "packed", "packed-segments"])
+def test_shared_prefix_chunked_logprobs_equal_plain(trainer, options, attention):
     prompts = samples(trainer)
     out = rollout(trainer, prompts)
     assert out.response_mask.sum() > 50 and len(set(out.lengths.tolist())) > 1  # ragged responses
     with torch.no_grad():
         plain = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 0.7)
-        fast = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 0.7, options)
-        # a micro-batch may hold part of a prompt's samples, and prompts with different numbers of them
-        rows = [1, 2, 3, 4, 5, 6]
-        part = response_logprobs(trainer.policy, prompts.select(rows), out.responses[rows], out.response_mask[rows], 0.7, options)
+        with text_attention(trainer.policy, attention):
+            fast = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 0.7, options)
+            # a micro-batch may hold part of a prompt's samples, and prompts with different numbers of them
+            rows = [1, 2, 3, 4, 5, 6]
+            part = response_logprobs(trainer.policy, prompts.select(rows), out.responses[rows], out.response_mask[rows], 0.7, options)
     mask = out.response_mask.bool()
     assert (fast - plain).abs().max() < 1e-5, (fast - plain).abs().max()
     assert (part - plain[rows]).abs().max() < 1e-5
     assert (fast[~mask] == 0).all()
 
 
-# A checkpointed layer would write the prompt's cache twice: under checkpointing the update packs its rows.
-@pytest.mark.parametrize("options,checkpointing", [(FAST, False), (PACKED, False), (PACKED, True)],
-                         ids=["cache", "packed", "packed-checkpointed"])
-def test_shared_prefix_chunked_gradients_equal_plain(trainer, options, checkpointing):
+# A checkpointed layer would write the prompt's cache twice: under checkpointing the update packs its rows,
+# attended segment by segment (the attention prepare_model sets then) or under one 4-D mask.
+@pytest.mark.parametrize("options,checkpointing,attention", [
+    (FAST, False, "sdpa"), (PACKED, False, "sdpa"), (PACKED, True, "sdpa"), (PACKED, True, PREFIX_ROWS_ATTENTION)],
+    ids=["cache", "packed", "packed-checkpointed", "packed-checkpointed-segments"])
+def test_shared_prefix_chunked_gradients_equal_plain(trainer, options, checkpointing, attention):
     prompts = samples(trainer, n=2)
     out = rollout(trainer, prompts, max_tokens=12)
     weights = torch.linspace(-1, 1, out.responses.numel()).view_as(out.responses)
@@ -87,8 +105,9 @@ def test_shared_prefix_chunked_gradients_equal_plain(trainer, options, checkpoin
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for name, opts in (("plain", ForwardOptions()), ("fast", options)):
         policy.zero_grad(set_to_none=True)
-        logp = response_logprobs(policy, prompts, out.responses, out.response_mask, 1.0, opts)
-        (logp * weights).sum().backward()
+        with text_attention(policy, attention if name == "fast" else "sdpa"):
+            logp = response_logprobs(policy, prompts, out.responses, out.response_mask, 1.0, opts)
+            (logp * weights).sum().backward()
         grads[name] = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
     policy.zero_grad(set_to_none=True)
     policy.gradient_checkpointing_disable()
@@ -275,7 +294,7 @@ def test_dynamic_micro_batches_respect_the_token_budget(trainer):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_a_fast_step_equals_the_plain_step(demo_base, tmp_path, checkpointing):
     """One whole GRPO step with every switch on gives the plain step's metrics. With gradient
-    checkpointing the update shares prompt prefixes in packed rows."""
+    checkpointing the update shares prompt prefixes in packed rows, attended segment by segment."""
     records = {}
     fast = {"model": {"packed_vision_attention": True, "gradient_checkpointing": checkpointing, "fused_rms_norm": True,
                       "aligned_vision_mlp": True},
@@ -290,6 +309,9 @@ def test_a_fast_step_equals_the_plain_step(demo_base, tmp_path, checkpointing):
         records[name] = t.step(1)
     assert t.forward.prefix_sharing and not t.forward.packed
     assert t.update_forward.prefix_sharing and t.update_forward.packed is checkpointing
+    # the packed rows are attended segment by segment (prepare_model's attention for checkpointed SDPA)
+    assert models.text_model(t.policy).config._attn_implementation == (PREFIX_ROWS_ATTENTION if checkpointing else "sdpa")
+    assert models.text_model(t.ref).config._attn_implementation == "sdpa"
     for key in ("reward/overall", "response_length/mean", "actor/entropy_loss", "actor/pg_loss", "actor/kl_loss",
                 "actor/ppo_kl", "actor/grad_norm"):
         assert records["fast"][key] == pytest.approx(records["plain"][key], rel=1e-4, abs=1e-6), key

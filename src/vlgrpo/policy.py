@@ -35,46 +35,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers import AttentionInterface, DynamicCache
+from transformers import DynamicCache
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
 from vlgrpo import distributed, lora, models
+from vlgrpo.attention import PACKED_VISION_ATTENTION, PREFIX_ROWS_ATTENTION, PrefixRows
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.config import NO_CUDA, ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 log = logging.getLogger(__name__)
-
-
-def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
-                     cu_seq_lens_q=None, max_length_q=None, **kwargs):
-    """Attention within packed segments in one SDPA call: each segment padded to the longest.
-
-    query/key/value: (1, heads, S, D), S tokens of segments bounded by cu_seq_lens_q (n + 1,).
-    Returns ((1, S, heads, D), None) as transformers' flash-attention functions do.
-    """
-    _, heads, total, dim = query.shape
-    bounds = cu_seq_lens_q.long()
-    lengths = bounds[1:] - bounds[:-1]
-    count, width = lengths.numel(), -(-int(max_length_q) // 16) * 16  # aligned rows for the fused kernels
-    positions = torch.arange(total, device=query.device)
-    segment = torch.repeat_interleave(torch.arange(count, device=query.device), lengths, output_size=total)
-    slot = segment * width + positions - bounds[segment]  # (S,) place of each token in the padded layout
-
-    def pad(x):  # (1, heads, S, D) -> (count, heads, width, D)
-        padded = x.new_zeros(heads, count * width, dim).index_copy(1, slot, x[0])
-        return padded.view(heads, count, width, dim).transpose(0, 1)
-
-    valid = torch.arange(width, device=query.device) < lengths[:, None]  # (count, width) real keys
-    out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), attn_mask=valid[:, None, None, :], scale=scaling)
-    out = out.transpose(0, 1).reshape(heads, count * width, dim)[:, slot]  # (heads, S, D)
-    return out.transpose(0, 1)[None], None
-
-
-# "flash" in the name: Qwen2.5-VL's vision attention hands packed cu_seqlens only to such implementations.
-PACKED_VISION_ATTENTION = "vlgrpo_packed_flash_varlen"
-AttentionInterface.register(PACKED_VISION_ATTENTION, packed_attention)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -167,6 +138,9 @@ def prepare_model(model, model_cfg: dict, device: torch.device, trainable: bool)
     if tower is not None:
         packed = model_cfg["packed_vision_attention"]
         tower.config._attn_implementation = PACKED_VISION_ATTENTION if packed else model_cfg["attn_implementation"]
+    # The update's packed prefix rows (prefix sharing under checkpointing) are attended segment by segment.
+    packed_rows = trainable and model_cfg["gradient_checkpointing"] and model_cfg["attn_implementation"] == "sdpa"
+    models.text_model(model).config._attn_implementation = PREFIX_ROWS_ATTENTION if packed_rows else model_cfg["attn_implementation"]
     set_fused_rms_norm(model, model_cfg["fused_rms_norm"])
     set_aligned_vision_mlp(model, model_cfg["aligned_vision_mlp"])
     if device.type == "cuda":  # process-wide (a torch switch); the static engine's captured decode step keeps cuDNN
@@ -288,14 +262,16 @@ def _multimodal_forward(model, prompts: PromptBatch, host: PromptBatch):
     return _vl_forward(model, prompts, positions, tower, prompts.attention_mask, use_cache=True), deltas
 
 
-def _vl_forward(model, prompts: PromptBatch, positions, tower: dict, attention_mask, use_cache: bool):
+def _vl_forward(model, prompts: PromptBatch, positions, tower: dict, attention_mask, use_cache: bool, **attention):
     """The vision-language forward at rope `positions` (3, N, L) under `attention_mask` (the rows' 2-D
-    mask or a 4-D one). Qwen2.5-VL's is spelled out here (embed, vision tower, image features into
-    their placeholders, language model) to hand its tower the CPU index `tower`; the other families
-    run their own forward with the rope positions given (deepstack included)."""
+    mask or a 4-D one); `attention`: keyword arguments for the language model's attention function.
+    Qwen2.5-VL's is spelled out here (embed, vision tower, image features into their placeholders,
+    language model) to hand its tower the CPU index `tower`; the other families run their own forward
+    with the rope positions given (deepstack included)."""
     base = model.model
     if not tower:
-        return base(**{**prompts.model_inputs(), "attention_mask": attention_mask}, position_ids=positions, use_cache=use_cache)
+        return base(**{**prompts.model_inputs(), "attention_mask": attention_mask}, position_ids=positions, use_cache=use_cache,
+                    **attention)
     embeds = base.get_input_embeddings()(prompts.input_ids)
     video_index = tower.pop("video", None)
     for pixels, grid, index, token in ((prompts.pixel_values, prompts.image_grid_thw, tower, base.config.image_token_id),
@@ -304,7 +280,8 @@ def _vl_forward(model, prompts: PromptBatch, positions, tower: dict, attention_m
             continue
         features = base.visual(pixels.type(base.visual.dtype), grid_thw=grid, **index).pooler_output
         embeds = embeds.masked_scatter((prompts.input_ids == token)[..., None], features.to(embeds.dtype))
-    return base.language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions, use_cache=use_cache)
+    return base.language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions, use_cache=use_cache,
+                               **attention)
 
 
 def prefix_forward(model, prompts: PromptBatch, host: PromptBatch) -> Prefix:
@@ -370,14 +347,19 @@ def _packed_prefix_hidden(model, unique: PromptBatch, host: PromptBatch, source,
     valid[source, slot] = response_mask
     ids = torch.cat([unique.input_ids, block.view(U, k * R)], dim=1)  # (U, L), L = P + k R
     keys = torch.cat([unique.attention_mask, valid.view(U, k * R)], dim=1).bool()  # (U, L) keys that exist
-    segment = torch.cat([torch.full((P,), -1, device=device), torch.arange(k, device=device).repeat_interleave(R)])  # (L,) -1: prompt
-    index = torch.cat([torch.arange(P, device=device), torch.arange(R, device=device).repeat(k)])  # (L,) place in its segment
-    causal = (segment[:, None] == segment[None, :]) & (index[None, :] <= index[:, None])  # (L, L) query x key
-    sees = (causal | ((segment[:, None] >= 0) & (segment[None, :] < 0)))[None] & keys[:, None, :]  # responses see the prompt
-    sees |= torch.eye(ids.shape[1], dtype=torch.bool, device=device)  # no empty query row (left padding); its output is unused
-    mask = sees[:, None]  # (U, 1, L, L) True: attend
-    if model.config._attn_implementation == "eager":
-        mask = torch.zeros(mask.shape, dtype=model.dtype, device=device).masked_fill_(~mask, torch.finfo(model.dtype).min)
+    extra = {}
+    if models.text_model(model).config._attn_implementation == PREFIX_ROWS_ATTENTION:  # segment by segment
+        extra["prefix_rows"] = PrefixRows(unique.attention_mask.bool(), valid.bool())
+        mask = keys[:, None, None, :]  # (U, 1, 1, L): 4-D, so transformers builds no mask of its own; unread
+    else:  # one (L, L) mask per row
+        segment = torch.cat([torch.full((P,), -1, device=device), torch.arange(k, device=device).repeat_interleave(R)])  # (L,) -1: prompt
+        index = torch.cat([torch.arange(P, device=device), torch.arange(R, device=device).repeat(k)])  # (L,) place in its segment
+        causal = (segment[:, None] == segment[None, :]) & (index[None, :] <= index[:, None])  # (L, L) query x key
+        sees = (causal | ((segment[:, None] >= 0) & (segment[None, :] < 0)))[None] & keys[:, None, :]  # responses see the prompt
+        sees |= torch.eye(ids.shape[1], dtype=torch.bool, device=device)  # no empty query row (left padding); its output is unused
+        mask = sees[:, None]  # (U, 1, L, L) True: attend
+        if model.config._attn_implementation == "eager":
+            mask = torch.zeros(mask.shape, dtype=model.dtype, device=device).masked_fill_(~mask, torch.finfo(model.dtype).min)
 
     def after(follow):  # (U,) position after each prompt -> (U, k R): each response continues its prompt
         return (follow[:, None] + torch.arange(R, device=device)).repeat(1, k)
@@ -385,7 +367,7 @@ def _packed_prefix_hidden(model, unique: PromptBatch, host: PromptBatch, source,
     text_positions = models.text_positions(model, unique.attention_mask)
     if text_positions is not None:  # a text-only model: 1-D rope from each row's first real token
         positions = torch.cat([text_positions, after(unique.attention_mask.sum(-1))], dim=1)
-        out = model.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        out = model.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **extra)
     else:
         prompt_positions, deltas, tower = multimodal_index(model, host, device)
         following = after(deltas + unique.attention_mask.sum(-1))[None].expand(3, -1, -1)  # text after the prompt: equal axes
@@ -393,7 +375,7 @@ def _packed_prefix_hidden(model, unique: PromptBatch, host: PromptBatch, source,
         mm = unique.mm_token_type_ids
         packed = replace(unique, input_ids=ids, attention_mask=keys.long(),
                          mm_token_type_ids=None if mm is None else torch.cat([mm, mm.new_zeros((U, k * R))], dim=1))
-        out = _vl_forward(model, packed, positions, tower, mask, use_cache=False)
+        out = _vl_forward(model, packed, positions, tower, mask, use_cache=False, **extra)
     t = torch.arange(R, device=device)
     at = torch.where(t == 0, P - 1, P + slot[:, None] * R + t - 1)  # (N, R) the position that predicts token t
     return out.last_hidden_state[source[:, None], at]

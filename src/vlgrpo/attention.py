@@ -1,0 +1,99 @@
+"""vlgrpo's attention functions, registered with transformers under their own names.
+
+- PACKED_VISION_ATTENTION: the vision tower's packed images (cu_seqlens) in one SDPA call
+  (model.packed_vision_attention, Qwen2.5-VL's windowed tower).
+- PREFIX_ROWS_ATTENTION: the language model's SDPA, which also attends a packed prefix row
+  [prompt | response 1 | ... | response k] (policy._packed_prefix_hidden, the update under gradient
+  checkpointing) segment by segment: the prompt attends to itself, each response to the prompt and to
+  its own earlier tokens, so the pairs between responses are never computed. A call without the
+  row's layout (every other forward) is transformers' SDPA as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+
+def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
+                     cu_seq_lens_q=None, max_length_q=None, **kwargs):
+    """Attention within packed segments in one SDPA call: each segment padded to the longest.
+
+    query/key/value: (1, heads, S, D), S tokens of segments bounded by cu_seq_lens_q (n + 1,).
+    Returns ((1, S, heads, D), None) as transformers' flash-attention functions do.
+    """
+    _, heads, total, dim = query.shape
+    bounds = cu_seq_lens_q.long()
+    lengths = bounds[1:] - bounds[:-1]
+    count, width = lengths.numel(), -(-int(max_length_q) // 16) * 16  # aligned rows for the fused kernels
+    positions = torch.arange(total, device=query.device)
+    segment = torch.repeat_interleave(torch.arange(count, device=query.device), lengths, output_size=total)
+    slot = segment * width + positions - bounds[segment]  # (S,) place of each token in the padded layout
+
+    def pad(x):  # (1, heads, S, D) -> (count, heads, width, D)
+        padded = x.new_zeros(heads, count * width, dim).index_copy(1, slot, x[0])
+        return padded.view(heads, count, width, dim).transpose(0, 1)
+
+    valid = torch.arange(width, device=query.device) < lengths[:, None]  # (count, width) real keys
+    out = F.scaled_dot_product_attention(pad(query), pad(key), pad(value), attn_mask=valid[:, None, None, :], scale=scaling)
+    out = out.transpose(0, 1).reshape(heads, count * width, dim)[:, slot]  # (heads, S, D)
+    return out.transpose(0, 1)[None], None
+
+
+# "flash" in the name: Qwen2.5-VL's vision attention hands packed cu_seqlens only to such implementations.
+PACKED_VISION_ATTENTION = "vlgrpo_packed_flash_varlen"
+AttentionInterface.register(PACKED_VISION_ATTENTION, packed_attention)
+
+
+@dataclass(frozen=True)
+class PrefixRows:
+    """The layout of U packed prefix rows, each [prompt (P) | response 1 (R) | ... | response k (R)]."""
+
+    prompt_keys: torch.Tensor  # (U, P) bool: real prompt tokens (left padding False)
+    response_keys: torch.Tensor  # (U, k, R) bool: real response tokens (padding and empty slots False)
+
+    def masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's (U, 1, P, P) and the responses' (U k, 1, R, P + R) boolean masks (True: attend).
+        A query row with no key (left padding) sees itself: its output is never read."""
+        (U, P), (_, k, R) = self.prompt_keys.shape, self.response_keys.shape
+        device = self.prompt_keys.device
+        causal_p = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+        prompt = (causal_p & self.prompt_keys[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)  # (U, P, P)
+        causal_r = torch.ones(R, R, dtype=torch.bool, device=device).tril() & self.response_keys.view(U * k, 1, R)
+        sees_prompt = self.prompt_keys.repeat_interleave(k, dim=0)[:, None, :].expand(-1, R, -1)  # (U k, R, P)
+        return prompt[:, None], torch.cat([sees_prompt, causal_r], dim=-1)[:, None]
+
+
+def prefix_rows_attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None,
+                          prefix_rows: PrefixRows | None = None, **kwargs):
+    """transformers' SDPA; over packed prefix rows (`prefix_rows` given) in two calls, the prompts and
+    the responses, whose keys are each response's prompt and itself.
+
+    query: (U, heads, L, D), key/value: (U, kv_heads, L, D), L = P + k R. Returns ((U, L, heads, D), None).
+    """
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if prefix_rows is None:
+        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    (U, P), (_, k, R) = prefix_rows.prompt_keys.shape, prefix_rows.response_keys.shape
+    prompt_mask, response_mask = prefix_rows.masks()
+
+    def responses(x):  # (U, h, L, D) -> (U k, h, R, D)
+        return x[:, :, P:].unflatten(2, (k, R)).transpose(1, 2).flatten(0, 1)
+
+    def with_prompt(x):  # (U, h, L, D) -> (U k, h, P + R, D): each response after its prompt
+        return torch.cat([x[:, :, :P].repeat_interleave(k, dim=0), responses(x)], dim=2)
+
+    head, _ = sdpa(module, query[:, :, :P], key[:, :, :P], value[:, :, :P], prompt_mask, dropout=dropout, scaling=scaling, **kwargs)
+    tail, _ = sdpa(module, responses(query), with_prompt(key), with_prompt(value), response_mask,
+                   dropout=dropout, scaling=scaling, **kwargs)  # (U k, R, heads, D)
+    return torch.cat([head, tail.unflatten(0, (U, k)).flatten(1, 2)], dim=1), None
+
+
+PREFIX_ROWS_ATTENTION = "vlgrpo_prefix_rows_sdpa"
+AttentionInterface.register(PREFIX_ROWS_ATTENTION, prefix_rows_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(PREFIX_ROWS_ATTENTION, sdpa_mask)  # its masks are SDPA's

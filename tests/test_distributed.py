@@ -90,7 +90,8 @@ def test_gradients_per_parameter_equal_one_process(demo_base, tmp_path):
     (embeddings tied to lm_head, final norm, patch embedding, merger) included, equals 1 process's.
     lr ~0: both mini-batches see the same weights, so only the gradient computation is compared."""
     tiny_lr = {"model": {"gradient_checkpointing": True},  # as the recipe: layers recomputed in backward, gathered again
-               "worker": {"actor": {**OVERRIDES["worker"]["actor"], "dynamic_batching": True,
+               # and as on a GPU: prefixes shared, the update's packed rows attended segment by segment
+               "worker": {"actor": {**OVERRIDES["worker"]["actor"], "dynamic_batching": True, "prefix_sharing": True,
                                     "optim": {"lr": 1.0e-12, "weight_decay": 0.0}}}}
     cfg = make_experiment(demo_base, tmp_path, tiny_lr)
     resolved = str(paths.path(paths.RESOLVED, config.experiment_dir(cfg)))

@@ -8,7 +8,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from conftest import make_experiment
-from vlgrpo import config, evaluate, lora, paths
+from vlgrpo import config, evaluate, lora, models, paths
+from vlgrpo.attention import PREFIX_ROWS_ATTENTION
 from vlgrpo.checkpoint import CheckpointStore
 from vlgrpo.policy import load_model, load_pretrained, response_logprobs
 from vlgrpo.rollout import SamplingParams, make_engine
@@ -165,9 +166,12 @@ def test_adapters_of_another_base_model_are_refused_by_name(stepped, tmp_path):
 
 
 def test_gradient_checkpointing_and_a_frozen_vision_tower_work_with_lora(demo_base, tmp_path):
-    cfg = lora_cfg(demo_base, tmp_path, {"model": {"gradient_checkpointing": True, "freeze_vision_tower": True}})
+    cfg = lora_cfg(demo_base, tmp_path, {"model": {"gradient_checkpointing": True, "freeze_vision_tower": True},
+                                         "worker": {"actor": {"prefix_sharing": True}}})  # packed update rows, as on a GPU
     trainer = GRPOTrainer(cfg)
     trainer.load(0)
+    attention = models.text_model(trainer.policy).layers[0].self_attn.config._attn_implementation
+    assert trainer.update_forward.packed and attention == PREFIX_ROWS_ATTENTION
     visual = {n for n, _ in trainer.policy.model.visual.named_parameters(prefix="model.visual")}
     trainable = {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
     assert trainable and not trainable & visual and all(lora.is_adapter(n) for n in trainable)

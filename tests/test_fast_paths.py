@@ -9,7 +9,7 @@ import torch
 
 from conftest import make_experiment
 from vlgrpo import models
-from vlgrpo.attention import PREFIX_ROWS_ATTENTION
+from vlgrpo.attention import PREFIX_ROWS_ATTENTION, PrefixRows, prefix_rows_attention
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.prompts import encode_prompts, render_prompt
 from vlgrpo.policy import (ForwardOptions, aligned_mlp, micro_batches, prefix_forward, prepare_model, prompt_runs,
@@ -341,3 +341,29 @@ def test_packed_prefix_with_eager_attention_equals_plain(demo_base, tmp_path):
     packed = response_logprobs(t.policy, prompts, out.responses, out.response_mask, 1.0, PACKED)
     assert t.policy.model.language_model.config._attn_implementation == "eager"
     assert (packed - plain).abs().max() < 1e-5, (packed - plain).abs().max()
+
+
+def test_prefix_rows_attention_equals_one_sdpa_call_under_the_whole_rows_mask():
+    """Two packed rows [prompt | 3 response slots]: left-padded prompts, ragged responses, an empty slot;
+    grouped keys/values (2 query heads per key head). The real queries' outputs equal SDPA over the whole
+    row under its (L, L) mask."""
+    U, k, P, R, heads, kv_heads, dim = 2, 3, 5, 4, 4, 2, 8
+    prompt_keys = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    lengths = torch.tensor([[4, 2, 3], [1, 4, 0]])  # the second prompt's third slot is empty
+    response_keys = torch.arange(R) < lengths[..., None]  # (U, k, R)
+    torch.manual_seed(0)
+    q, key, value = torch.randn(U, heads, P + k * R, dim), torch.randn(U, kv_heads, P + k * R, dim), torch.randn(U, kv_heads, P + k * R, dim)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+    out, _ = prefix_rows_attention(module, q, key, value, scaling=dim**-0.5, prefix_rows=PrefixRows.of(prompt_keys, response_keys))
+    # the whole row's mask: a prompt token sees earlier real prompt tokens; a response token sees the real prompt
+    # tokens and its own earlier tokens
+    segment = torch.cat([torch.full((P,), -1), torch.arange(k).repeat_interleave(R)])
+    index = torch.cat([torch.arange(P), torch.arange(R).repeat(k)])
+    real = torch.cat([prompt_keys, response_keys.flatten(1)], dim=1)  # (U, L)
+    same = (segment[:, None] == segment[None, :]) & (index[None, :] <= index[:, None])
+    mask = (same | ((segment[:, None] >= 0) & (segment[None, :] < 0)))[None] & real[:, None, :]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1), attn_mask=mask[:, None], scale=dim**-0.5).transpose(1, 2)
+    assert out.shape == (U, P + k * R, heads, dim)
+    assert torch.allclose(out[real], expected[real], atol=1e-6)

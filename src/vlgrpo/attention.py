@@ -52,21 +52,24 @@ AttentionInterface.register(PACKED_VISION_ATTENTION, packed_attention)
 
 @dataclass(frozen=True)
 class PrefixRows:
-    """The layout of U packed prefix rows, each [prompt (P) | response 1 (R) | ... | response k (R)]."""
+    """The masks of U packed prefix rows, each [prompt (P) | response 1 (R) | ... | response k (R)],
+    made once per forward (every layer, and its recompute, reads them)."""
 
-    prompt_keys: torch.Tensor  # (U, P) bool: real prompt tokens (left padding False)
-    response_keys: torch.Tensor  # (U, k, R) bool: real response tokens (padding and empty slots False)
+    prompt_mask: torch.Tensor  # (U, 1, P, P) bool, True: attend
+    response_mask: torch.Tensor  # (U k, 1, R, P + R) bool: each response's prompt, then its own tokens
 
-    def masks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt's (U, 1, P, P) and the responses' (U k, 1, R, P + R) boolean masks (True: attend).
-        A query row with no key (left padding) sees itself: its output is never read."""
-        (U, P), (_, k, R) = self.prompt_keys.shape, self.response_keys.shape
-        device = self.prompt_keys.device
+    @classmethod
+    def of(cls, prompt_keys: torch.Tensor, response_keys: torch.Tensor) -> "PrefixRows":
+        """prompt_keys: (U, P) real prompt tokens (left padding False); response_keys: (U, k, R) real
+        response tokens (padding and empty slots False). A query with no key (left padding) sees
+        itself: its output is never read."""
+        (U, P), (_, k, R) = prompt_keys.shape, response_keys.shape
+        device = prompt_keys.device
         causal_p = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-        prompt = (causal_p & self.prompt_keys[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)  # (U, P, P)
-        causal_r = torch.ones(R, R, dtype=torch.bool, device=device).tril() & self.response_keys.view(U * k, 1, R)
-        sees_prompt = self.prompt_keys.repeat_interleave(k, dim=0)[:, None, :].expand(-1, R, -1)  # (U k, R, P)
-        return prompt[:, None], torch.cat([sees_prompt, causal_r], dim=-1)[:, None]
+        prompt = (causal_p & prompt_keys[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)  # (U, P, P)
+        causal_r = torch.ones(R, R, dtype=torch.bool, device=device).tril() & response_keys.view(U * k, 1, R)
+        sees_prompt = prompt_keys.repeat_interleave(k, dim=0)[:, None, :].expand(-1, R, -1)  # (U k, R, P)
+        return cls(prompt[:, None], torch.cat([sees_prompt, causal_r], dim=-1)[:, None])
 
 
 def prefix_rows_attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None,
@@ -79,8 +82,8 @@ def prefix_rows_attention(module, query, key, value, attention_mask=None, dropou
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     if prefix_rows is None:
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    (U, P), (_, k, R) = prefix_rows.prompt_keys.shape, prefix_rows.response_keys.shape
-    prompt_mask, response_mask = prefix_rows.masks()
+    U, P, R = query.shape[0], prefix_rows.prompt_mask.shape[-1], prefix_rows.response_mask.shape[-2]
+    k = prefix_rows.response_mask.shape[0] // U
 
     def responses(x):  # (U, h, L, D) -> (U k, h, R, D)
         return x[:, :, P:].unflatten(2, (k, R)).transpose(1, 2).flatten(0, 1)
@@ -88,8 +91,9 @@ def prefix_rows_attention(module, query, key, value, attention_mask=None, dropou
     def with_prompt(x):  # (U, h, L, D) -> (U k, h, P + R, D): each response after its prompt
         return torch.cat([x[:, :, :P].repeat_interleave(k, dim=0), responses(x)], dim=2)
 
-    head, _ = sdpa(module, query[:, :, :P], key[:, :, :P], value[:, :, :P], prompt_mask, dropout=dropout, scaling=scaling, **kwargs)
-    tail, _ = sdpa(module, responses(query), with_prompt(key), with_prompt(value), response_mask,
+    head, _ = sdpa(module, query[:, :, :P], key[:, :, :P], value[:, :, :P], prefix_rows.prompt_mask,
+                   dropout=dropout, scaling=scaling, **kwargs)  # (U, P, heads, D)
+    tail, _ = sdpa(module, responses(query), with_prompt(key), with_prompt(value), prefix_rows.response_mask,
                    dropout=dropout, scaling=scaling, **kwargs)  # (U k, R, heads, D)
     return torch.cat([head, tail.unflatten(0, (U, k)).flatten(1, 2)], dim=1), None
 

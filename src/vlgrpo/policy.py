@@ -349,7 +349,7 @@ def _packed_prefix_hidden(model, unique: PromptBatch, host: PromptBatch, source,
     keys = torch.cat([unique.attention_mask, valid.view(U, k * R)], dim=1).bool()  # (U, L) keys that exist
     extra = {}
     if models.text_model(model).config._attn_implementation == PREFIX_ROWS_ATTENTION:  # segment by segment
-        extra["prefix_rows"] = PrefixRows(unique.attention_mask.bool(), valid.bool())
+        extra["prefix_rows"] = PrefixRows.of(unique.attention_mask.bool(), valid.bool())
         mask = keys[:, None, None, :]  # (U, 1, 1, L): 4-D, so transformers builds no mask of its own; unread
     else:  # one (L, L) mask per row
         segment = torch.cat([torch.full((P,), -1, device=device), torch.arange(k, device=device).repeat_interleave(R)])  # (L,) -1: prompt

@@ -1,12 +1,13 @@
 """Shared fixtures: a small demo experiment (synthetic data, tiny Qwen2.5-VL, filtered splits)."""
 
+import contextlib
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from vlgrpo import config, paths
+from vlgrpo import config, models, paths
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -55,3 +56,14 @@ def make_experiment(base: dict, results_dir: Path, overrides: dict | None = None
     shutil.copytree(src, dst, dirs_exist_ok=True)
     config.write_resolved(cfg, paths.path(paths.RESOLVED, config.experiment_dir(cfg)))
     return cfg
+
+
+@contextlib.contextmanager
+def text_attention(model, name: str):
+    """The language model's attention function set to `name` meanwhile (as prepare_model sets it)."""
+    text = models.text_model(model).config
+    before, text._attn_implementation = text._attn_implementation, name
+    try:
+        yield
+    finally:
+        text._attn_implementation = before

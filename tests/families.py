@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from conftest import SHARED
+from conftest import SHARED, text_attention
 from vlgrpo import models
 
 # model_type -> the shared folder whose processor and config it starts from
@@ -121,12 +121,8 @@ def check_logprobs_and_engines(trainer, model_type: str, prompts):
         fast = ForwardOptions(prefix_sharing=family.serves("worker.actor.prefix_sharing"), logprobs_chunk_size=5)
         shared = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, fast)
         packed = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, replace(fast, packed=True))
-        text = models.text_model(trainer.policy).config  # packed rows attended segment by segment, as under checkpointing
-        before, text._attn_implementation = text._attn_implementation, PREFIX_ROWS_ATTENTION
-        try:
+        with text_attention(trainer.policy, PREFIX_ROWS_ATTENTION):  # packed rows segment by segment, as under checkpointing
             segments = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, replace(fast, packed=True))
-        finally:
-            text._attn_implementation = before
     assert torch.allclose(plain[mask], out.logp[mask], atol=1e-5), (plain - out.logp).abs().max()
     assert torch.allclose(shared[mask], plain[mask], atol=1e-5), (shared - plain).abs().max()
     assert torch.allclose(packed[mask], plain[mask], atol=1e-5), (packed - plain).abs().max()

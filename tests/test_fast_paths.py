@@ -1,15 +1,14 @@
 """The speed switches compute what the plain paths compute (tiny demo model, float32, CPU)."""
 
-import contextlib
 import copy
 from dataclasses import replace
 
 import pytest
 import torch
 
-from conftest import make_experiment
+from conftest import make_experiment, text_attention
 from vlgrpo import models
-from vlgrpo.attention import PREFIX_ROWS_ATTENTION, PrefixRows, prefix_rows_attention
+from vlgrpo.attention import PREFIX_ROWS_ATTENTION, PrefixRows, prefix_rows_attention, whole_row_mask
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.prompts import encode_prompts, render_prompt
 from vlgrpo.policy import (ForwardOptions, aligned_mlp, micro_batches, prefix_forward, prepare_model, prompt_runs,
@@ -38,17 +37,6 @@ def samples(trainer, n=3, count=3):
     batch = PromptBatch.from_processor(encode_prompts(trainer.processor, rows), [1] * count)
     assert len(set(batch.attention_mask.sum(-1).tolist())) == count
     return batch.repeat_interleave(n)
-
-
-@contextlib.contextmanager
-def text_attention(model, name: str):
-    """The language model's attention function set to `name` meanwhile (as prepare_model sets it)."""
-    config = models.text_model(model).config
-    before, config._attn_implementation = config._attn_implementation, name
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
 
 
 def rollout(trainer, prompts, temperature=1.0, max_tokens=20, engine=None):
@@ -356,14 +344,9 @@ def test_prefix_rows_attention_equals_one_sdpa_call_under_the_whole_rows_mask():
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = heads // kv_heads, True
     out, _ = prefix_rows_attention(module, q, key, value, scaling=dim**-0.5, prefix_rows=PrefixRows.of(prompt_keys, response_keys))
-    # the whole row's mask: a prompt token sees earlier real prompt tokens; a response token sees the real prompt
-    # tokens and its own earlier tokens
-    segment = torch.cat([torch.full((P,), -1), torch.arange(k).repeat_interleave(R)])
-    index = torch.cat([torch.arange(P), torch.arange(R).repeat(k)])
     real = torch.cat([prompt_keys, response_keys.flatten(1)], dim=1)  # (U, L)
-    same = (segment[:, None] == segment[None, :]) & (index[None, :] <= index[:, None])
-    mask = (same | ((segment[:, None] >= 0) & (segment[None, :] < 0)))[None] & real[:, None, :]
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q, key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1), attn_mask=mask[:, None], scale=dim**-0.5).transpose(1, 2)
+        q, key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1), attn_mask=whole_row_mask(prompt_keys, response_keys),
+        scale=dim**-0.5).transpose(1, 2)
     assert out.shape == (U, P + k * R, heads, dim)
     assert torch.allclose(out[real], expected[real], atol=1e-6)

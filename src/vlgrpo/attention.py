@@ -72,6 +72,22 @@ class PrefixRows:
         return cls(prompt[:, None], torch.cat([sees_prompt, causal_r], dim=-1)[:, None])
 
 
+def whole_row_mask(prompt_keys: torch.Tensor, response_keys: torch.Tensor) -> torch.Tensor:
+    """The (U, 1, L, L) boolean mask of U packed prefix rows as one attention call takes them, L = P + k R
+    (what PrefixRows splits in two): a prompt token sees the real prompt tokens up to itself, a response
+    token the real prompt tokens and its own real earlier tokens. prompt_keys: (U, P), response_keys:
+    (U, k, R), as PrefixRows.of. A query with no key (left padding) sees itself: its output is never read."""
+    (U, P), (_, k, R) = prompt_keys.shape, response_keys.shape
+    device = prompt_keys.device
+    segment = torch.cat([torch.full((P,), -1, device=device), torch.arange(k, device=device).repeat_interleave(R)])  # (L,) -1: prompt
+    index = torch.cat([torch.arange(P, device=device), torch.arange(R, device=device).repeat(k)])  # (L,) place in its segment
+    keys = torch.cat([prompt_keys, response_keys.view(U, k * R)], dim=1)  # (U, L) keys that exist
+    causal = (segment[:, None] == segment[None, :]) & (index[None, :] <= index[:, None])  # (L, L) query x key
+    sees = (causal | ((segment[:, None] >= 0) & (segment[None, :] < 0)))[None] & keys[:, None, :]  # responses see the prompt
+    sees |= torch.eye(P + k * R, dtype=torch.bool, device=device)
+    return sees[:, None]
+
+
 def prefix_rows_attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None,
                           prefix_rows: PrefixRows | None = None, **kwargs):
     """transformers' SDPA; over packed prefix rows (`prefix_rows` given) in two calls, the prompts and

@@ -39,7 +39,7 @@ from transformers import DynamicCache
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
 from vlgrpo import distributed, lora, models
-from vlgrpo.attention import PACKED_VISION_ATTENTION, PREFIX_ROWS_ATTENTION, PrefixRows
+from vlgrpo.attention import PACKED_VISION_ATTENTION, PREFIX_ROWS_ATTENTION, PrefixRows, whole_row_mask
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.config import NO_CUDA, ConfigError
 
@@ -352,12 +352,7 @@ def _packed_prefix_hidden(model, unique: PromptBatch, host: PromptBatch, source,
         extra["prefix_rows"] = PrefixRows.of(unique.attention_mask.bool(), valid.bool())
         mask = keys[:, None, None, :]  # (U, 1, 1, L): 4-D, so transformers builds no mask of its own; unread
     else:  # one (L, L) mask per row
-        segment = torch.cat([torch.full((P,), -1, device=device), torch.arange(k, device=device).repeat_interleave(R)])  # (L,) -1: prompt
-        index = torch.cat([torch.arange(P, device=device), torch.arange(R, device=device).repeat(k)])  # (L,) place in its segment
-        causal = (segment[:, None] == segment[None, :]) & (index[None, :] <= index[:, None])  # (L, L) query x key
-        sees = (causal | ((segment[:, None] >= 0) & (segment[None, :] < 0)))[None] & keys[:, None, :]  # responses see the prompt
-        sees |= torch.eye(ids.shape[1], dtype=torch.bool, device=device)  # no empty query row (left padding); its output is unused
-        mask = sees[:, None]  # (U, 1, L, L) True: attend
+        mask = whole_row_mask(unique.attention_mask.bool(), valid.bool())  # (U, 1, L, L) True: attend
         if model.config._attn_implementation == "eager":
             mask = torch.zeros(mask.shape, dtype=model.dtype, device=device).masked_fill_(~mask, torch.finfo(model.dtype).min)
 

@@ -40,10 +40,15 @@ def test_cpu_benchmark_writes_the_table_json(demo_base, tmp_path, capsys):
     assert saved["greedy_vs_hf"]["identical_rows"] == saved["greedy_vs_hf"]["rows"]  # float32: same tokens
     assert saved["eval"]["items"] == 16 and saved["eval"]["eval_s"] >= saved["eval"]["generate_s"] > 0
     assert "speed-up" in capsys.readouterr().out
-    # --profile: the last measured step's phases, each with its wall time, beside the JSON
+    # --profile: one more step, not among the measured ones, its phases with their wall times beside the JSON
     profile = {line.split()[0]: float(line.split()[1]) for line in out.with_suffix(".profile.txt").read_text().splitlines()[1:7]}
     assert set(profile) == {"gen", "old", "ref", "reward", "adv", "update_actor"}
-    assert 0 < profile["update_actor"] <= saved["steps_s"][-1]
+    assert saved["profiled_step"]["step"] == 4
+    assert 0 < profile["update_actor"] <= saved["profiled_step"]["step_s"]
+    # and a second validation: the static engine's prefill and decode
+    eval_profile = {line.split()[0]: float(line.split()[1]) for line in out.with_suffix(".eval.profile.txt").read_text().splitlines()[1:3]}
+    assert set(eval_profile) == {"prefill", "decode"}
+    assert 0 < eval_profile["prefill"] + eval_profile["decode"] <= saved["eval"]["generate_s"] * 2
 
 
 def test_the_profile_summary_puts_each_kernel_in_the_phase_that_launched_it():

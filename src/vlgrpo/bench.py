@@ -12,16 +12,17 @@ splits are made with data.filter_split where missing. In order, on the same weig
      Geometry3K's test split);
   4. --plain-steps steps of the plain path (the config with --plain on top: configs/plain.yaml turns
      every fast path off), starting at the first measured step so that both paths see the same prompts.
-With --profile, the last measured step runs under torch.profiler: a table of each phase's wall time
-against its GPU kernel time (how host-bound the phase is) and the top kernels go beside the JSON
-(<out>.profile.txt). Prints one table and writes the JSON. Step FLOPs are what a step needs (step_flops), so MFU is
+The evaluator runs as a segment's in-process validation does (GRPOTrainer.validate: the reference
+model and gradients freed, the trainer's engine). With --profile, one more step (not counted in the
+measured ones) and then a second validation run under torch.profiler: a table of each phase's wall
+time against its GPU kernel time (how host-bound the phase is) and the top kernels go beside the
+JSON (<out>.profile.txt; the validation's prefill and decode in <out>.eval.profile.txt). Prints one table and writes the JSON. Step FLOPs are what a step needs (step_flops), so MFU is
 comparable between the paths.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
 import json
@@ -49,6 +50,7 @@ from vlgrpo.trainer import GRPOTrainer
 log = logging.getLogger("vlgrpo.bench")
 
 PHASES = ("gen", "reward", "old", "ref", "adv", "update_actor")
+EVAL_PHASES = ("prefill", "decode")  # the static engine's record_function ranges
 TARGETS = {"step_s": 15.0, "eval_s": 30.0}  # issue 7, on one H200 (printed for H200 runs only)
 
 
@@ -150,35 +152,33 @@ def step_flops(trainer: GRPOTrainer, step: int, response_tokens: float) -> float
     return forwards * forward_flops(model_config, prompt_tokens, per_row, cfg["worker"]["rollout"]["n"], response_tokens)
 
 
-def profiled(device: torch.device, out: Path | None):
-    """A profiler over one step writing its summary to `out` (a no-op context without `out`).
+def profiled(device: torch.device, out: Path, phases: tuple[str, ...] = PHASES):
+    """A profiler writing a summary of `phases` (profile_summary) to `out` when it exits.
 
     The trace is exported by the profiler's C++ side and summarised from its JSON (profile_summary):
     turning a whole step's events into Python objects (key_averages) takes minutes on a GPU step.
     """
-    if out is None:
-        return contextlib.nullcontext()
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
 
     def summarise(prof) -> None:
         trace = out.with_suffix(".trace.json")
         prof.export_chrome_trace(str(trace))
-        out.write_text(profile_summary(json.loads(trace.read_text())["traceEvents"]))
+        out.write_text(profile_summary(json.loads(trace.read_text())["traceEvents"], phases))
         trace.unlink()
         log.info("profile written to %s", out)
 
     return torch.profiler.profile(activities=activities, on_trace_ready=summarise)
 
 
-def profile_summary(events: list[dict], top: int = 8) -> str:
-    """Per phase (a `timer` range): wall s, GPU kernel s, busy fraction, kernels launched and the
+def profile_summary(events: list[dict], phases: tuple[str, ...] = PHASES, top: int = 8) -> str:
+    """Per phase (a record_function range named in `phases`): wall s, GPU kernel s, busy fraction, kernels launched and the
     host time per launch; then each phase's costliest kernels. events: a Chrome trace's traceEvents.
 
     A kernel belongs to the phase whose range holds the host call that launched it (matched by the
     trace's correlation ids), so work queued in one phase and run in the next counts where it was queued.
     """
     ranges = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                    if e.get("cat") == "user_annotation" and e.get("name") in PHASES)
+                    if e.get("cat") == "user_annotation" and e.get("name") in phases)
     launched_at = {e["args"]["correlation"]: e["ts"] for e in events
                    if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
 
@@ -209,16 +209,14 @@ def profile_summary(events: list[dict], top: int = 8) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_steps(trainer: GRPOTrainer, steps: range, device: torch.device, peak_tflops: float, profile: Path | None = None) -> dict:
-    """Run `steps`; per-phase medians, step wall time (synchronised), throughput, MFU, peak memory.
-    profile: a path for the last step's profile summary (profiled)."""
+def run_steps(trainer: GRPOTrainer, steps: range, device: torch.device, peak_tflops: float) -> dict:
+    """Run `steps`; per-phase medians, step wall time (synchronised), throughput, MFU, peak memory."""
     records, walls, flops, captures = [], [], [], []
     for step in steps:
         sync(device)
         start, captured = time.perf_counter(), getattr(trainer.engine, "captures", 0)
-        with profiled(device, profile if step == steps[-1] else None):
-            record = trainer.step(step)
-            sync(device)
+        record = trainer.step(step)
+        sync(device)
         walls.append(time.perf_counter() - start)
         captures.append(getattr(trainer.engine, "captures", 0) - captured)  # the static engine's CUDA graphs
         records.append(record)
@@ -249,6 +247,18 @@ def run_steps(trainer: GRPOTrainer, steps: range, device: torch.device, peak_tfl
     return out
 
 
+def profiled_step(trainer: GRPOTrainer, step: int, device: torch.device, out: Path) -> dict:
+    """One more step under the profiler (summary to `out`): its wall time (the trace's export after
+    it not included) and phases. The profiler's own bookkeeping slows the step a little."""
+    with profiled(device, out):
+        sync(device)
+        start = time.perf_counter()
+        record = trainer.step(step)
+        sync(device)
+        wall = time.perf_counter() - start
+    return {"step": step, "step_s": wall, "phase_s": {p: record.get(f"timing_s/{p}", 0.0) for p in PHASES}}
+
+
 def greedy_check(trainer: GRPOTrainer, prompts_count: int = 4, tokens: int = 64) -> dict:
     """Greedy tokens of the configured engine against the hf engine on the same weights."""
     rows = trainer.rows[:prompts_count]
@@ -264,10 +274,13 @@ def greedy_check(trainer: GRPOTrainer, prompts_count: int = 4, tokens: int = 64)
             "identical_tokens_fraction": same.float().mean().item(), "first_divergence": first}
 
 
-def eval_time(cfg: dict, model) -> dict:
+def eval_time(trainer: GRPOTrainer, step: int) -> dict:
+    """The validation of every item as a segment's last act (GRPOTrainer.validate), timed."""
     start = time.perf_counter()
-    record = evaluate.evaluate(cfg, 0, model=model)
-    return {"items": len(load_filtered(paths.path(paths.FILTERED, config_lib.experiment_dir(cfg), split="val"))),
+    record = trainer.validate(step)
+    if record is None:
+        raise RuntimeError("the in-process validation failed (its error is logged above)")
+    return {"items": len(load_filtered(paths.path(paths.FILTERED, config_lib.experiment_dir(trainer.cfg), split="val"))),
             "eval_s": time.perf_counter() - start, "encode_s": record["timing_s/encode"],
             "generate_s": record["timing_s/generation"], "scoring_s": record["timing_s/scoring"],
             "tokens_per_s": record["val/tokens_per_s"], "response_length_mean": record["val_response_length/mean"]}
@@ -370,19 +383,25 @@ def main(argv=None) -> dict:
     first = args.warmup + 1
     for step in range(1, first):
         trainer.step(step)
-    profile = out_path.with_suffix(".profile.txt") if args.profile else None
-    result.update(run_steps(trainer, range(first, first + args.steps), device, result["peak_tflops"], profile))
+    result.update(run_steps(trainer, range(first, first + args.steps), device, result["peak_tflops"]))
+    last = first + args.steps - 1
+    if args.profile:
+        last += 1
+        result["profiled_step"] = profiled_step(trainer, last, device, out_path.with_suffix(".profile.txt"))
     if trainer.lora_info:
         result["lora"] = trainer.lora_info
     if args.checkpoint:
-        result["checkpoint"] = checkpoint_cost(trainer, first + args.steps - 1)
+        result["checkpoint"] = checkpoint_cost(trainer, last)
     write()
     if trainer.cfg["worker"]["rollout"]["engine"] != "hf":
         result["greedy_vs_hf"] = greedy_check(trainer)
         write()
     if args.eval:
-        result["eval"] = eval_time(cfg, trainer.policy)
+        result["eval"] = eval_time(trainer, last)
         write()
+        if args.profile:  # again, under the profiler: the first run's time stands
+            with profiled(device, out_path.with_suffix(".eval.profile.txt"), EVAL_PHASES):
+                trainer.validate(last)
     trainer = None
     free(device)
     if args.plain_steps:

@@ -253,7 +253,8 @@ class StaticEngine(HFEngine):
         cache_width = _cache_width(width, params.max_tokens)
         dec = self._decoder_for(rows, cache_width, params)
         dec.mask.zero_()
-        logits = self._prefill(sub, dec)
+        with torch.profiler.record_function("prefill"):  # ranges the benchmark's profile reports (bench.EVAL_PHASES)
+            logits = self._prefill(sub, dec)
         tokens, logp = keyed_sample(logits, keys, 0, params.temperature, params.top_p, dec.banned, params.top_k)
         dec.keys.copy_(keys)
         dec.tokens.copy_(tokens)
@@ -264,7 +265,8 @@ class StaticEngine(HFEngine):
         dec.out_logp.zero_()
         dec.out_logp[:, 0] = logp
         dec.finished.copy_(torch.isin(tokens, dec.eos))
-        with tqdm(total=params.max_tokens, desc="generate", leave=False, disable=not progress) as bar:
+        with tqdm(total=params.max_tokens, desc="generate", leave=False, disable=not progress) as bar, \
+                torch.profiler.record_function("decode"):
             bar.update(1)
             dec.run(params.max_tokens - 1, stop_at_eos=not params.ignore_eos, progress=bar)
         return dec.out_tokens.clone(), dec.out_logp.clone()

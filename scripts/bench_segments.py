@@ -130,6 +130,7 @@ def segment_table(exp: Path, ends: list[int], steps: int, launches: list[float])
             "save_checkpoint_behind_s": t.get("save_checkpoint_behind", 0.0),  # the whole write, mostly hidden
             "validation_generation_s": generation, "validated_in_process": marker["validated_in_process"],
             "job_s": job, "overhead_s": sum(parts.values()), "overhead_parts_s": parts,
+            "graph_captures": sum(metrics[s].get("perf/cuda_graph_captures", 0) for s in range(end - steps + 1, end + 1)),
         })
         previous_end = marker["job_end"]
     return rows

@@ -211,14 +211,13 @@ def profile_summary(events: list[dict], phases: tuple[str, ...] = PHASES, top: i
 
 def run_steps(trainer: GRPOTrainer, steps: range, device: torch.device, peak_tflops: float) -> dict:
     """Run `steps`; per-phase medians, step wall time (synchronised), throughput, MFU, peak memory."""
-    records, walls, flops, captures = [], [], [], []
+    records, walls, flops = [], [], []
     for step in steps:
         sync(device)
-        start, captured = time.perf_counter(), getattr(trainer.engine, "captures", 0)
+        start = time.perf_counter()
         record = trainer.step(step)
         sync(device)
         walls.append(time.perf_counter() - start)
-        captures.append(getattr(trainer.engine, "captures", 0) - captured)  # the static engine's CUDA graphs
         records.append(record)
         flops.append(step_flops(trainer, step, record["response_length/mean"]))
         log.info("step %d: %.2f s %s", step, walls[-1], {p: round(record.get(f"timing_s/{p}", 0.0), 2) for p in PHASES})
@@ -235,13 +234,13 @@ def run_steps(trainer: GRPOTrainer, steps: range, device: torch.device, peak_tfl
         "mfu": statistics.median(flops) / step_s / (peak_tflops * 1e12),
         "response_length_mean": statistics.median(r["response_length/mean"] for r in records),
         "pg_loss": [r["actor/pg_loss"] for r in records],
-        "graph_captures": captures,
     }
     if device.type == "cuda":
         out["peak_memory_allocated_gb"] = max(r["perf/max_memory_allocated_gb"] for r in records)
         out["peak_memory_reserved_gb"] = max(r["perf/max_memory_reserved_gb"] for r in records)
         out["cuda_malloc_calls"] = [r["perf/cuda_malloc_calls"] for r in records]
         out["cuda_alloc_retries"] = [r["perf/cuda_alloc_retries"] for r in records]
+        out["graph_captures"] = [r["perf/cuda_graph_captures"] for r in records]  # the static engine's
     else:
         out["peak_memory_allocated_gb"] = out["peak_memory_reserved_gb"] = None  # not tracked on a CPU
     return out

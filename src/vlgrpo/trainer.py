@@ -371,7 +371,7 @@ class GRPOTrainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.reset_accumulated_memory_stats()
-        step_start = time.perf_counter()
+        step_start, captures = time.perf_counter(), getattr(self.engine, "captures", 0)
         params = SamplingParams(
             rollout_cfg["temperature"], rollout_cfg["top_p"], cfg["data"]["max_response_length"], rollout_cfg["ignore_eos"],
             rollout_cfg["top_k"], cfg["worker"]["reward"]["skip_special_tokens"],
@@ -448,7 +448,9 @@ class GRPOTrainer:
         if self.device.type == "cuda":
             allocator = torch.cuda.memory_stats()  # this step's: cudaMalloc calls, flush-and-retry events
             record.update(distributed.over_ranks({"perf/cuda_malloc_calls": allocator.get("num_device_alloc", 0),
-                                                  "perf/cuda_alloc_retries": allocator.get("num_alloc_retries", 0)},
+                                                  "perf/cuda_alloc_retries": allocator.get("num_alloc_retries", 0),
+                                                  # decode steps the static engine captured as CUDA graphs in this step
+                                                  "perf/cuda_graph_captures": getattr(self.engine, "captures", 0) - captures},
                                                  torch.distributed.ReduceOp.MAX))
         return record
 

@@ -209,6 +209,32 @@ def test_static_engine_gives_the_hf_tokens(trainer, temperature):
     assert torch.equal(full.responses, trainer.engine.generate(prompts, keys, params, batch_size=len(prompts)).responses)
 
 
+def test_the_static_decoder_stacks_the_qkv_weights_of_each_call(trainer, monkeypatch):
+    """One GEMM for a layer's query, key and value projections gives the three modules' tokens, and
+    follows weights changed in place between calls (the policy trains; the decoder is kept)."""
+    prompts = samples(trainer, n=2)
+    static = make_engine("static", trainer.policy, trainer.processor)
+    stacked = rollout(trainer, prompts, 1.0, max_tokens=16, engine=static)
+    assert static._decoder.qkv is not None and static._decoder.qkv[0][1] is not None  # Qwen2.5: with biases
+    with monkeypatch.context() as m:
+        m.setattr("vlgrpo.rollout.static._stacked_qkv", lambda *a: None)
+        modules = rollout(trainer, prompts, 1.0, max_tokens=16, engine=make_engine("static", trainer.policy, trainer.processor))
+    assert torch.equal(stacked.responses, modules.responses) and (stacked.logp - modules.logp).abs().max() < 1e-5
+    decoder, v_proj = static._decoder, models.text_model(trainer.policy).layers[0].self_attn.v_proj
+    saved = v_proj.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            v_proj.weight.mul_(-3.0)  # in place: the same address
+        changed = rollout(trainer, prompts, 1.0, max_tokens=16, engine=static)
+        assert static._decoder is decoder
+        hf = rollout(trainer, prompts, 1.0, max_tokens=16)
+        assert torch.equal(changed.responses, hf.responses) and (changed.logp - hf.logp).abs().max() < 1e-5
+        assert not torch.allclose(changed.logp, stacked.logp)
+    finally:
+        with torch.no_grad():
+            v_proj.weight.copy_(saved)
+
+
 def test_the_static_engine_decodes_in_parts_when_the_cache_does_not_fit(trainer, monkeypatch, caplog):
     """Where the free memory cannot hold every row's static cache (a validation beside a segment's
     training state), the rows go through in equal parts, with the tokens they get at once."""

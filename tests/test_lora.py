@@ -117,8 +117,11 @@ def test_each_engine_gives_the_hf_engines_greedy_tokens_with_adapters_active(ste
     prompts = image_prompts(trainer)
     keys, params = torch.arange(len(prompts)), SamplingParams(0.0, 1.0, 24)
     hf = trainer.engine.generate(prompts, keys, params, batch_size=len(prompts))
-    other = make_engine(engine, trainer.policy, trainer.processor).generate(prompts, keys, params, batch_size=len(prompts))
+    fast = make_engine(engine, trainer.policy, trainer.processor)
+    other = fast.generate(prompts, keys, params, batch_size=len(prompts))
     assert torch.equal(other.responses, hf.responses) and other.texts == hf.texts
+    attention = models.text_model(trainer.policy).layers[0].self_attn
+    assert type(attention.q_proj) is not torch.nn.Linear and fast._decoder.qkv is None  # LoRA layers: called, not stacked
     assert (other.logp - hf.logp).abs().max() < 1e-5
     with lora.adapters_disabled(trainer.policy):  # the adapters are active: without them the log-probs differ
         plain = trainer.engine.generate(prompts, keys, params, batch_size=len(prompts))

@@ -10,8 +10,9 @@ masking: HFEngine.generate does the chunking and the masking), built for speed o
   Qwen2.5-VL rope axes are equal for text after the prompt, so this is plain rope, as a text-only
   model's is), writes the new
   key/value into the cache, attends over the whole cache under a row mask, runs the model's own
-  projections, MLPs and LM head, its RMSNorms as one fused call each (F.rms_norm: float32 inside,
-  one rounding instead of two in bf16), and samples the next token with keyed_sample, all on the
+  projections (a layer's query, key and value ones as one GEMM over their weights stacked, where all
+  three are plain Linear layers: not under LoRA), MLPs and LM head, its RMSNorms as one fused call
+  each (F.rms_norm: float32 inside, one rounding instead of two in bf16), and samples the next token with keyed_sample, all on the
   device. Step counters live in device tensors, so on CUDA the step is captured once per shape
   (rows, cache width bucket, sampling parameters) and replayed without host work. With
   ignore_eos, EOS is never sampled, as the hf engine's generate (min_new_tokens) does.
@@ -63,6 +64,25 @@ def _cache_width(prompt_width: int, max_tokens: int) -> int:
     return -(-(prompt_width + max_tokens - 1) // WIDTH_BUCKET) * WIDTH_BUCKET
 
 
+def _stacked_qkv(layers, device, dtype) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """Per layer, room for its query, key and value projections' weights (and biases) stacked in that
+    order: ((H + 2 KV) D, hidden) and ((H + 2 KV) D,). None where a projection is not a plain Linear
+    (peft's LoRA layers add their adapters in forward) or only some have a bias: the step then calls
+    the three modules."""
+    projections = [(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in layers]
+    if any(type(m) is not torch.nn.Linear for trio in projections for m in trio):
+        log.info("static engine: the query/key/value projections are not plain Linear layers; each runs on its own")
+        return None
+    if any(len({m.bias is None for m in trio}) > 1 for trio in projections):
+        return None
+    stacked = []
+    for trio in projections:
+        rows = sum(m.out_features for m in trio)
+        bias = None if trio[0].bias is None else torch.empty(rows, device=device, dtype=dtype)
+        stacked.append((torch.empty(rows, trio[0].in_features, device=device, dtype=dtype), bias))
+    return stacked
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -81,6 +101,7 @@ class _Decoder:
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")  # Qwen3: RMSNorm per head before rope
         self.params, self.banned, self.eos, self.pad_id = params, banned, eos_ids, pad_id
         device, dtype = model.device, model.dtype
+        self.qkv = _stacked_qkv(self.layers, device, dtype)  # filled from the model by load_weights
         shape = (len(self.layers), rows, self.kv_heads, width, self.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -95,6 +116,15 @@ class _Decoder:
         self.finished = torch.zeros(rows, device=device, dtype=torch.bool)
         self.graph = None
 
+    def load_weights(self) -> None:
+        """Copy the layers' query, key and value weights into the stacked ones: the policy's weights
+        change between calls, the captured step reads the stacked copies where they are."""
+        for layer, (weight, bias) in zip(self.layers, self.qkv or []):
+            trio = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+            torch.cat([m.weight for m in trio], out=weight)
+            if bias is not None:
+                torch.cat([m.bias for m in trio], out=bias)
+
     def step(self) -> None:
         """Feed response token t, sample token t + 1 (buffers in, buffers out)."""
         t, rows = self.step_index, self.tokens.shape[0]
@@ -106,15 +136,21 @@ class _Decoder:
         cos = (emb.cos() * self.rope_scale).to(x.dtype)[:, None, :]
         sin = (emb.sin() * self.rope_scale).to(x.dtype)[:, None, :]
         attend = self.mask[:, None, None, :]
-        group = self.heads // self.kv_heads
+        group, heads = self.heads // self.kv_heads, self.heads + self.kv_heads  # heads: query and key heads
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = fused_rms_norm(layer.input_layernorm, x)
-            q, k = attn.q_proj(h).view(rows, self.heads, self.head_dim), attn.k_proj(h).view(rows, self.kv_heads, self.head_dim)
+            if self.qkv is not None:
+                qkv = F.linear(h, *self.qkv[i])  # (rows, (H + 2 KV) D)
+                qk, v = qkv[:, : heads * self.head_dim].view(rows, heads, self.head_dim), qkv[:, heads * self.head_dim :]
+            else:
+                qk = torch.cat([attn.q_proj(h).view(rows, self.heads, self.head_dim),
+                                attn.k_proj(h).view(rows, self.kv_heads, self.head_dim)], dim=1)
+                v = attn.v_proj(h)
+            v = v.view(rows, self.kv_heads, self.head_dim)
             if self.qk_norm:
-                q, k = fused_rms_norm(attn.q_norm, q), fused_rms_norm(attn.k_norm, k)
-            qk = torch.cat([q, k], dim=1)
-            v = attn.v_proj(h).view(rows, self.kv_heads, self.head_dim)
+                q, k = qk.split([self.heads, self.kv_heads], dim=1)
+                qk = torch.cat([fused_rms_norm(attn.q_norm, q), fused_rms_norm(attn.k_norm, k)], dim=1)
             qk = qk * cos + _rotate_half(qk) * sin  # queries and keys rotated together: half the kernels
             q, k = qk.split([self.heads, self.kv_heads], dim=1)
             self.k[i].index_copy_(2, write, k[:, :, None])
@@ -204,6 +240,7 @@ class StaticEngine(HFEngine):
                 banned = banned.index_fill(0, eos, True)
             decoder = _Decoder(self.model, rows, width, params.max_tokens, params, banned, eos, self.pad_id)
             if self.cuda_graph and params.max_tokens > 1:
+                decoder.load_weights()  # the warm-up step computes with them
                 decoder.capture()
                 self.captures += 1
                 log.info("static engine: decode step captured for %d rows, a cache %d wide (%d captures)", rows, width, self.captures)
@@ -252,6 +289,7 @@ class StaticEngine(HFEngine):
         rows, width = sub.input_ids.shape
         cache_width = _cache_width(width, params.max_tokens)
         dec = self._decoder_for(rows, cache_width, params)
+        dec.load_weights()
         dec.mask.zero_()
         with torch.profiler.record_function("prefill"):  # ranges the benchmark's profile reports (bench.EVAL_PHASES)
             logits = self._prefill(sub, dec)

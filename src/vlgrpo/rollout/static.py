@@ -8,14 +8,14 @@ masking: HFEngine.generate does the chunking and the masking), built for speed o
   sampled from its last logits;
 - decode: one step embeds the last token, applies rope at the row's next text position (the three
   Qwen2.5-VL rope axes are equal for text after the prompt, so this is plain rope, as a text-only
-  model's is), writes the new
-  key/value into the cache, attends over the whole cache under a row mask, runs the model's own
-  projections (a layer's query, key and value ones as one GEMM over their weights stacked, where all
-  three are plain Linear layers: not under LoRA), MLPs and LM head, its RMSNorms as one fused call
-  each (F.rms_norm: float32 inside, one rounding instead of two in bf16), and samples the next token with keyed_sample, all on the
-  device. Step counters live in device tensors, so on CUDA the step is captured once per shape
-  (rows, cache width bucket, sampling parameters) and replayed without host work. With
-  ignore_eos, EOS is never sampled, as the hf engine's generate (min_new_tokens) does.
+  model's is), writes the new key/value into the cache, attends over the whole cache under a row
+  mask, runs the model's own projections (a layer's query, key and value ones as one GEMM over
+  their weights stacked, where all three are plain Linear layers: not under LoRA), MLPs and LM head,
+  its RMSNorms as one fused call each (F.rms_norm: float32 inside, one rounding instead of two in
+  bf16), and samples the next token with keyed_sample, all on the device. Step counters live in
+  device tensors, so on CUDA the step is captured once per shape (rows, cache width bucket,
+  sampling parameters) and replayed without host work. With ignore_eos, EOS is never sampled, as
+  the hf engine's generate (min_new_tokens) does.
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ def _stacked_qkv(layers, device, dtype) -> list[tuple[torch.Tensor, torch.Tensor
     (peft's LoRA layers add their adapters in forward) or only some have a bias: the step then calls
     the three modules."""
     projections = [(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in layers]
-    if any(type(m) is not torch.nn.Linear for trio in projections for m in trio):
-        log.info("static engine: the query/key/value projections are not plain Linear layers; each runs on its own")
-        return None
-    if any(len({m.bias is None for m in trio}) > 1 for trio in projections):
+    if any(type(m) is not torch.nn.Linear for trio in projections for m in trio) \
+            or any(len({m.bias is None for m in trio}) > 1 for trio in projections):
+        log.info("static engine: the query, key and value projections are not plain Linear layers alike "
+                 "(%s); the decode step runs each on its own", type(projections[0][0]).__name__)
         return None
     stacked = []
     for trio in projections:

@@ -7,17 +7,17 @@ max_response_length tokens, 2 mini-batch updates). The model folder's weights ar
 any, else random ones (seeded) in model.dtype, built on the device from its config.json. Filtered
 splits are made with data.filter_split where missing. In order, on the same weights:
   1. --warmup then --steps steps of GRPOTrainer.step with the config as given (the optimized path);
+     with --profile, one more step under torch.profiler, not counted in the measured ones;
   2. greedy decoding of a few prompts by the config's engine and by the hf engine (same tokens?);
-  3. the evaluator's generation over the whole validation split (evaluate.evaluate, 601 items on
-     Geometry3K's test split);
+  3. the validation of the whole validation split (601 items on Geometry3K's test split) as a
+     segment's in-process one runs (GRPOTrainer.validate: the reference model and gradients freed,
+     the trainer's engine); with --profile, a second one under torch.profiler;
   4. --plain-steps steps of the plain path (the config with --plain on top: configs/plain.yaml turns
      every fast path off), starting at the first measured step so that both paths see the same prompts.
-The evaluator runs as a segment's in-process validation does (GRPOTrainer.validate: the reference
-model and gradients freed, the trainer's engine). With --profile, one more step (not counted in the
-measured ones) and then a second validation run under torch.profiler: a table of each phase's wall
-time against its GPU kernel time (how host-bound the phase is) and the top kernels go beside the
-JSON (<out>.profile.txt; the validation's prefill and decode in <out>.eval.profile.txt). Prints one table and writes the JSON. Step FLOPs are what a step needs (step_flops), so MFU is
-comparable between the paths.
+A profile is a table of each phase's wall time against its GPU kernel time (how host-bound the
+phase is) and its top kernels, beside the JSON: <out>.profile.txt for the step, <out>.eval.profile.txt
+for the validation's prefill and decode. Prints one table and writes the JSON. Step FLOPs are what a
+step needs (step_flops), so MFU is comparable between the paths.
 """
 
 from __future__ import annotations

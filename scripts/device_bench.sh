@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 34's GPU figures in one device call, on a lent machine without internet whose image has torch
+# and transformers (Python 3.12): the rest comes from .benchdata, made here by scripts/device_wheels.sh
+# and carried (the device tool's carry: [".benchdata"], ~56 MB). Run from the repository root there:
+#     bash scripts/device_bench.sh step startup        # ~330 s on an H100
+# Parts, in the order given; each writes under $OUT (default /tmp/out):
+#   step      vlgrpo bench on configs/bench_h100.yaml (the 80 GB settings), 2 measured steps, profiled,
+#             with the validation (bench_h100_<card>.json, .profile.txt, .eval.profile.txt)
+#   startup   scripts/bench_startup.py --device cuda, and `import vlgrpo.trainer` timed with and without
+#             a writable bytecode cache (PYTHONPYCACHEPREFIX): whether the host compiles at each start
+#   segments  scripts/bench_segments.py: 2 segments of 1 step under torchrun, the 80 GB settings
+# On an H200, scripts/cap_gpu_memory holds every vlgrpo process to 78 GiB (an 80 GB card's share).
+set -o pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+start=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .benchdata/whl/*.whl 2>&1 | grep -v "already exists"
+export PYTHONPATH=/tmp/site:$PWD/src PATH=/tmp/site/bin:$PATH
+mkdir -p ../shared && ln -sfn "$PWD/.benchdata" ../shared/data  # the configs' ../shared/data paths
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+tag=h100
+if [[ $card == *H200* ]]; then
+    tag=h200cap78
+    export VLGRPO_BENCH_MEMORY_GIB=78 PYTHONPATH=$PWD/scripts/cap_gpu_memory:$PYTHONPATH
+fi
+echo "card: $card; setup $(( $(date +%s) - start )) s"
+quiet() { grep -v -e pylatexenc -e "generate:" -e "Generating" -e "datasets INFO"; }
+import_time() {
+    python3 -c "import time; t = time.perf_counter(); import vlgrpo.trainer; print('$1: import vlgrpo.trainer', round(time.perf_counter() - t, 2), 's')"
+}
+for part in "$@"; do
+    echo "== $part $(date +%T)"
+    case $part in
+        step)
+            timeout -s ABRT 400 python3 -m vlgrpo.cli bench --config configs/bench_h100.yaml --warmup 1 --steps 2 \
+                --plain-steps 0 --profile --out "$OUT/bench_h100_$tag.json" 2>&1 | quiet | tail -30
+            cat "$OUT/bench_h100_$tag.eval.profile.txt" 2>/dev/null | head -30 ;;
+        startup)
+            import_time plain; import_time plain-again
+            PYTHONPYCACHEPREFIX=/tmp/pyc import_time cache-first; PYTHONPYCACHEPREFIX=/tmp/pyc import_time cache-again
+            timeout -s ABRT 150 python3 scripts/bench_startup.py --device cuda --repeats 2 \
+                --out "$OUT/bench_startup_$tag.json" 2>&1 | quiet | tail -25 ;;
+        segments)
+            timeout -s ABRT 540 python3 scripts/bench_segments.py --torchrun --segments 2 --steps 1 \
+                --set model.gradient_checkpointing=true --set worker.actor.micro_batch_size_per_device_for_update=32 \
+                --out "$OUT/bench_segments_torchrun1_$tag.json" 2>&1 | quiet | tail -20 ;;
+        *) echo "unknown part $part (step, startup, segments)"; exit 2 ;;
+    esac
+done
+echo "== done in $(( $(date +%s) - start )) s"

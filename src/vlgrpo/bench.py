@@ -209,15 +209,21 @@ def profile_summary(events: list[dict], phases: tuple[str, ...] = PHASES, top: i
     return "\n".join(lines) + "\n"
 
 
+def timed_step(trainer: GRPOTrainer, step: int, device: torch.device) -> tuple[dict, float]:
+    """One GRPOTrainer.step: its record and wall seconds, the device's queue drained at both ends."""
+    sync(device)
+    start = time.perf_counter()
+    record = trainer.step(step)
+    sync(device)
+    return record, time.perf_counter() - start
+
+
 def run_steps(trainer: GRPOTrainer, steps: range, device: torch.device, peak_tflops: float) -> dict:
     """Run `steps`; per-phase medians, step wall time (synchronised), throughput, MFU, peak memory."""
     records, walls, flops = [], [], []
     for step in steps:
-        sync(device)
-        start = time.perf_counter()
-        record = trainer.step(step)
-        sync(device)
-        walls.append(time.perf_counter() - start)
+        record, wall = timed_step(trainer, step, device)
+        walls.append(wall)
         records.append(record)
         flops.append(step_flops(trainer, step, record["response_length/mean"]))
         log.info("step %d: %.2f s %s", step, walls[-1], {p: round(record.get(f"timing_s/{p}", 0.0), 2) for p in PHASES})
@@ -250,11 +256,7 @@ def profiled_step(trainer: GRPOTrainer, step: int, device: torch.device, out: Pa
     """One more step under the profiler (summary to `out`): its wall time (the trace's export after
     it not included) and phases. The profiler's own bookkeeping slows the step a little."""
     with profiled(device, out):
-        sync(device)
-        start = time.perf_counter()
-        record = trainer.step(step)
-        sync(device)
-        wall = time.perf_counter() - start
+        record, wall = timed_step(trainer, step, device)
     return {"step": step, "step_s": wall, "phase_s": {p: record.get(f"timing_s/{p}", 0.0) for p in PHASES}}
 
 

@@ -64,12 +64,17 @@ def _cache_width(prompt_width: int, max_tokens: int) -> int:
     return -(-(prompt_width + max_tokens - 1) // WIDTH_BUCKET) * WIDTH_BUCKET
 
 
+def _qkv(layer) -> tuple:
+    """A decoder layer's query, key and value projections, in the order their weights are stacked."""
+    return layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj
+
+
 def _stacked_qkv(layers, device, dtype) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
     """Per layer, room for its query, key and value projections' weights (and biases) stacked in that
     order: ((H + 2 KV) D, hidden) and ((H + 2 KV) D,). None where a projection is not a plain Linear
     (peft's LoRA layers add their adapters in forward) or only some have a bias: the step then calls
     the three modules."""
-    projections = [(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in layers]
+    projections = [_qkv(layer) for layer in layers]
     if any(type(m) is not torch.nn.Linear for trio in projections for m in trio) \
             or any(len({m.bias is None for m in trio}) > 1 for trio in projections):
         log.info("static engine: the query, key and value projections are not plain Linear layers alike "
@@ -120,7 +125,7 @@ class _Decoder:
         """Copy the layers' query, key and value weights into the stacked ones: the policy's weights
         change between calls, the captured step reads the stacked copies where they are."""
         for layer, (weight, bias) in zip(self.layers, self.qkv or []):
-            trio = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+            trio = _qkv(layer)
             torch.cat([m.weight for m in trio], out=weight)
             if bias is not None:
                 torch.cat([m.bias for m in trio], out=bias)

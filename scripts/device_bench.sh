@@ -4,6 +4,7 @@
 # and carried (the device tool's carry: [".benchdata"], ~56 MB). Run from the repository root there:
 #     bash scripts/device_bench.sh step startup        # ~330 s on an H100
 # Parts, in the order given; each writes under $OUT (default /tmp/out):
+#   gputests  the tests that need CUDA (skipped on the CPU): fast paths against the plain ones on the card
 #   step      vlgrpo bench on configs/bench_h100.yaml (the 80 GB settings), 2 measured steps, profiled,
 #             with the validation (bench_h100_<card>.json, .profile.txt, .eval.profile.txt)
 #   startup   scripts/bench_startup.py --device cuda, and `import vlgrpo.trainer` timed with and without
@@ -32,6 +33,9 @@ import_time() {
 for part in "$@"; do
     echo "== $part $(date +%T)"
     case $part in
+        gputests)
+            python3 -c "import torch.nn.attention.varlen as v, inspect; print('varlen_attn', inspect.signature(v.varlen_attn))"
+            timeout -s ABRT 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_fast_paths.py -k cuda 2>&1 | tail -8 ;;
         step)
             timeout -s ABRT 400 python3 -m vlgrpo.cli bench --config configs/bench_h100.yaml --warmup 1 --steps 2 \
                 --plain-steps 0 --profile --out "$OUT/bench_h100_$tag.json" 2>&1 | quiet | tail -30
@@ -45,7 +49,7 @@ for part in "$@"; do
             timeout -s ABRT 540 python3 scripts/bench_segments.py --torchrun --segments 2 --steps 1 \
                 --set model.gradient_checkpointing=true --set worker.actor.micro_batch_size_per_device_for_update=32 \
                 --out "$OUT/bench_segments_torchrun1_$tag.json" 2>&1 | quiet | tail -20 ;;
-        *) echo "unknown part $part (step, startup, segments)"; exit 2 ;;
+        *) echo "unknown part $part (gputests, step, startup, segments)"; exit 2 ;;
     esac
 done
 echo "== done in $(( $(date +%s) - start )) s"

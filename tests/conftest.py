@@ -67,3 +67,30 @@ def text_attention(model, name: str):
         yield
     finally:
         text._attn_implementation = before
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """torch.nn.attention.varlen.varlen_attn's meaning, segment by segment with SDPA (the CPU has no flash
+    kernel): (T, heads, D) packed tokens; window (-1, 0) is causal aligned at the end, as FlashAttention's."""
+    out = []
+    for i in range(len(cu_q) - 1):
+        qi, ki, vi = (x[a:b].transpose(0, 1) for x, a, b in ((q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]), (v, cu_k[i], cu_k[i + 1])))
+        assert qi.shape[1] <= max_q and ki.shape[1] <= max_k
+        mask = torch.ones(qi.shape[1], ki.shape[1], dtype=torch.bool)
+        if window_size == (-1, 0):
+            mask = mask.tril(diagonal=ki.shape[1] - qi.shape[1])
+        out.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale).transpose(0, 1))
+    return torch.cat(out)
+
+
+@contextlib.contextmanager
+def varlen_layout():
+    """Packed prefix rows laid out for flash varlen calls (as on CUDA in bf16), run meanwhile by reference_varlen."""
+    from vlgrpo import attention
+
+    before = attention.flash_varlen_serves, attention.varlen_attn
+    attention.flash_varlen_serves, attention.varlen_attn = (lambda device_type, dtype: True), reference_varlen
+    try:
+        yield
+    finally:
+        attention.flash_varlen_serves, attention.varlen_attn = before

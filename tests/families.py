@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from conftest import SHARED, text_attention
+from conftest import SHARED, text_attention, varlen_layout
 from vlgrpo import models
 
 # model_type -> the shared folder whose processor and config it starts from
@@ -123,10 +123,13 @@ def check_logprobs_and_engines(trainer, model_type: str, prompts):
         packed = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, replace(fast, packed=True))
         with text_attention(trainer.policy, PREFIX_ROWS_ATTENTION):  # packed rows segment by segment, as under checkpointing
             segments = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, replace(fast, packed=True))
+            with varlen_layout():  # as on CUDA in bf16: the segments as flash varlen calls
+                varlen = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 1.0, replace(fast, packed=True))
     assert torch.allclose(plain[mask], out.logp[mask], atol=1e-5), (plain - out.logp).abs().max()
     assert torch.allclose(shared[mask], plain[mask], atol=1e-5), (shared - plain).abs().max()
     assert torch.allclose(packed[mask], plain[mask], atol=1e-5), (packed - plain).abs().max()
     assert torch.allclose(segments[mask], plain[mask], atol=1e-5), (segments - plain).abs().max()
+    assert torch.allclose(varlen[mask], plain[mask], atol=1e-5), (varlen - plain).abs().max()
     if family.serves("worker.rollout.engine"):
         greedy = SamplingParams(0.0, 1.0, 12)
         hf = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))

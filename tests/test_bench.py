@@ -46,8 +46,8 @@ def test_cpu_benchmark_writes_the_table_json(demo_base, tmp_path, capsys):
     assert saved["profiled_step"]["step"] == 4
     assert 0 < profile["update_actor"] <= saved["profiled_step"]["step_s"]
     # and a second validation: the static engine's prefill and decode
-    eval_profile = {line.split()[0]: float(line.split()[1]) for line in out.with_suffix(".eval.profile.txt").read_text().splitlines()[1:3]}
-    assert set(eval_profile) == {"prefill", "decode"}
+    eval_profile = {line.split()[0]: float(line.split()[1]) for line in out.with_suffix(".eval.profile.txt").read_text().splitlines()[1:4]}
+    assert set(eval_profile) == {"prefill", "vision", "decode"}
     assert 0 < eval_profile["prefill"] + eval_profile["decode"] <= saved["eval"]["generate_s"] * 2
 
 
@@ -71,3 +71,20 @@ def test_the_profile_summary_puts_each_kernel_in_the_phase_that_launched_it():
     assert "encode" not in rows
     ref_top = lines[lines.index("ref: costliest kernels (s)") + 1 :]
     assert [line.split() for line in ref_top] == [["0.250", "softmax"], ["0.250", "gemm"]]  # ties in launch order
+
+
+def test_a_nested_phase_takes_its_kernels_from_the_outer_one_and_sums_its_ranges():
+    """Two `vision` ranges within `prefill`: vision's kernels are not prefill's; its walls add up."""
+    events = [{"cat": "user_annotation", "name": "prefill", "ts": 0.0, "dur": 1e6}]
+    for i, start in enumerate((1e5, 5e5)):
+        events += [
+            {"cat": "user_annotation", "name": "vision", "ts": start, "dur": 1e5},
+            {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": start + 10, "dur": 5.0, "args": {"correlation": i}},
+            {"cat": "kernel", "name": "conv", "ts": start + 20, "dur": 5e4, "args": {"correlation": i}},
+        ]
+    events += [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 9e5, "dur": 5.0, "args": {"correlation": 9}},
+               {"cat": "kernel", "name": "gemm", "ts": 9e5, "dur": 1e5, "args": {"correlation": 9}}]
+    lines = bench.profile_summary(events, ("prefill", "vision")).splitlines()
+    rows = {line.split()[0]: [float(x.rstrip("%")) for x in line.split()[1:]] for line in lines[1:3]}
+    assert rows["prefill"][:2] == [1.0, 0.1] and rows["vision"][:2] == [0.2, 0.1]
+    assert lines[3] == "" and lines.count("vision: costliest kernels (s)") == 1

@@ -1,14 +1,17 @@
 """The speed switches compute what the plain paths compute (tiny demo model, float32, CPU)."""
 
+import contextlib
 import copy
 from dataclasses import replace
 
 import pytest
 import torch
 
-from conftest import make_experiment, text_attention
+from conftest import make_experiment, reference_varlen, text_attention, varlen_layout
 from vlgrpo import models
-from vlgrpo.attention import PREFIX_ROWS_ATTENTION, PrefixRows, prefix_rows_attention, whole_row_mask
+from vlgrpo import attention
+from vlgrpo.attention import (PREFIX_ROWS_ATTENTION, PrefixRows, VarlenPrefixRows, prefix_rows_attention,
+                              varlen_rows_attention, whole_row_mask)
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.prompts import encode_prompts, render_prompt
 from vlgrpo.policy import (ForwardOptions, aligned_mlp, micro_batches, prefix_forward, prepare_model, prompt_runs,
@@ -58,15 +61,20 @@ def test_prompt_runs_find_each_prompts_samples(trainer):
     assert prompt_runs(prompts.select([3, 4, 0, 1, 2]))[0] == [0, 2]
 
 
-@pytest.mark.parametrize("options,attention", [(FAST, "sdpa"), (PACKED, "sdpa"), (PACKED, PREFIX_ROWS_ATTENTION)],
-                         ids=["cache", "packed", "packed-segments"])
-def test_shared_prefix_chunked_logprobs_equal_plain(trainer, options, attention):
+VARLEN = "varlen"  # the segment attention with the flash varlen layout (conftest.varlen_layout)
+
+
+@pytest.mark.parametrize("options,attention_name", [(FAST, "sdpa"), (PACKED, "sdpa"), (PACKED, PREFIX_ROWS_ATTENTION), (PACKED, VARLEN)],
+                         ids=["cache", "packed", "packed-segments", "packed-segments-varlen"])
+def test_shared_prefix_chunked_logprobs_equal_plain(trainer, options, attention_name):
+    layout = varlen_layout() if attention_name == VARLEN else contextlib.nullcontext()
+    attention_name = PREFIX_ROWS_ATTENTION if attention_name == VARLEN else attention_name
     prompts = samples(trainer)
     out = rollout(trainer, prompts)
     assert out.response_mask.sum() > 50 and len(set(out.lengths.tolist())) > 1  # ragged responses
     with torch.no_grad():
         plain = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 0.7)
-        with text_attention(trainer.policy, attention):
+        with text_attention(trainer.policy, attention_name), layout:
             fast = response_logprobs(trainer.policy, prompts, out.responses, out.response_mask, 0.7, options)
             # a micro-batch may hold part of a prompt's samples, and prompts with different numbers of them
             rows = [1, 2, 3, 4, 5, 6]
@@ -79,10 +87,12 @@ def test_shared_prefix_chunked_logprobs_equal_plain(trainer, options, attention)
 
 # A checkpointed layer would write the prompt's cache twice: under checkpointing the update packs its rows,
 # attended segment by segment (the attention prepare_model sets then) or under one 4-D mask.
-@pytest.mark.parametrize("options,checkpointing,attention", [
-    (FAST, False, "sdpa"), (PACKED, False, "sdpa"), (PACKED, True, "sdpa"), (PACKED, True, PREFIX_ROWS_ATTENTION)],
-    ids=["cache", "packed", "packed-checkpointed", "packed-checkpointed-segments"])
-def test_shared_prefix_chunked_gradients_equal_plain(trainer, options, checkpointing, attention):
+@pytest.mark.parametrize("options,checkpointing,attention_name", [
+    (FAST, False, "sdpa"), (PACKED, False, "sdpa"), (PACKED, True, "sdpa"), (PACKED, True, PREFIX_ROWS_ATTENTION), (PACKED, True, VARLEN)],
+    ids=["cache", "packed", "packed-checkpointed", "packed-checkpointed-segments", "packed-checkpointed-segments-varlen"])
+def test_shared_prefix_chunked_gradients_equal_plain(trainer, options, checkpointing, attention_name):
+    layout = varlen_layout() if attention_name == VARLEN else contextlib.nullcontext()
+    attention_name = PREFIX_ROWS_ATTENTION if attention_name == VARLEN else attention_name
     prompts = samples(trainer, n=2)
     out = rollout(trainer, prompts, max_tokens=12)
     weights = torch.linspace(-1, 1, out.responses.numel()).view_as(out.responses)
@@ -93,7 +103,8 @@ def test_shared_prefix_chunked_gradients_equal_plain(trainer, options, checkpoin
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for name, opts in (("plain", ForwardOptions()), ("fast", options)):
         policy.zero_grad(set_to_none=True)
-        with text_attention(policy, attention if name == "fast" else "sdpa"):
+        with text_attention(policy, attention_name if name == "fast" else "sdpa"), \
+                (layout if name == "fast" else contextlib.nullcontext()):
             logp = response_logprobs(policy, prompts, out.responses, out.response_mask, 1.0, opts)
             (logp * weights).sum().backward()
         grads[name] = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
@@ -376,3 +387,57 @@ def test_prefix_rows_attention_equals_one_sdpa_call_under_the_whole_rows_mask():
         scale=dim**-0.5).transpose(1, 2)
     assert out.shape == (U, P + k * R, heads, dim)
     assert torch.allclose(out[real], expected[real], atol=1e-6)
+
+
+def prefix_rows_case(device, dtype, U=3, k=4, P=37, R=29, heads=8, kv_heads=2, dim=64):
+    """Packed rows with left-padded prompts, ragged responses and an empty slot: the two layouts and q, k, v."""
+    device = torch.device(device)
+    prompt_lengths = torch.tensor([P, 1, 20][:U])
+    prompt_keys = torch.arange(P) >= (P - prompt_lengths)[:, None]  # (U, P)
+    lengths = torch.randint(1, R + 1, (U, k), generator=torch.Generator().manual_seed(1))
+    lengths[-1, -1] = 0  # an empty slot
+    response_keys = torch.arange(R) < lengths[..., None]  # (U, k, R)
+    L = P + k * R
+    g = torch.Generator().manual_seed(0)
+    q, key, value = (torch.randn(U, h, L, dim, generator=g).to(device, dtype).requires_grad_() for h in (heads, kv_heads, kv_heads))
+    real = torch.cat([prompt_keys, response_keys.flatten(1)], dim=1).to(device)  # (U, L)
+    masks = PrefixRows.of(prompt_keys.to(device), response_keys.to(device))
+    return q, key, value, real, masks, VarlenPrefixRows.of(prompt_lengths, P, k, R, device)
+
+
+def outputs_and_grads(q, key, value, rows, real, attend=None):
+    """The real queries' outputs and the gradients of a weighted sum of them."""
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = q.shape[1] // key.shape[1], True
+    if isinstance(rows, VarlenPrefixRows):
+        out = varlen_rows_attention(q, key, value, rows, q.shape[-1] ** -0.5, attend)
+    else:
+        out, _ = prefix_rows_attention(module, q, key, value, scaling=q.shape[-1] ** -0.5, prefix_rows=rows)
+    weights = torch.linspace(-1, 1, out[real].numel(), device=q.device).view_as(out[real])
+    grads = torch.autograd.grad((out[real].float() * weights).sum(), (q, key, value))
+    return out[real].float(), [g.float() for g in grads]
+
+
+def test_varlen_prefix_rows_equal_the_masked_segments():
+    """The flash varlen layout (run by the reference kernel here) gives the masked segments' outputs and
+    gradients: places, bounds, grouped heads and the end-aligned causal window."""
+    q, key, value, real, masks, varlen = prefix_rows_case("cpu", torch.float32)
+    assert varlen.longest_prompt == 37 and varlen.prompt_bounds.tolist() == [0, 37, 38, 58]
+    out, grads = outputs_and_grads(q, key, value, varlen, real, reference_varlen)
+    expected, expected_grads = outputs_and_grads(q, key, value, masks, real)
+    assert torch.allclose(out, expected, atol=1e-5)
+    for g, e in zip(grads, expected_grads):
+        assert torch.allclose(g, e, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or attention.varlen_attn is None, reason="needs CUDA and torch's flash varlen (2.11+)")
+def test_flash_varlen_prefix_rows_equal_the_masked_segments_on_cuda():
+    """torch's flash varlen kernels (bf16) against SDPA under the segments' masks: outputs and gradients
+    within bf16's rounding."""
+    assert attention.flash_varlen_serves("cuda", torch.bfloat16)
+    q, key, value, real, masks, varlen = prefix_rows_case("cuda", torch.bfloat16, dim=128)
+    out, grads = outputs_and_grads(q, key, value, varlen, real)
+    expected, expected_grads = outputs_and_grads(q, key, value, masks, real)
+    assert (out - expected).abs().max() < 2e-2, (out - expected).abs().max()
+    for g, e in zip(grads, expected_grads):
+        assert (g - e).norm() <= 2e-2 * e.norm(), (g - e).norm() / e.norm()

@@ -5,12 +5,17 @@
 - PREFIX_ROWS_ATTENTION: the language model's SDPA, which also attends a packed prefix row
   [prompt | response 1 | ... | response k] (policy._packed_prefix_hidden, the update under gradient
   checkpointing) segment by segment: the prompt attends to itself, each response to the prompt and to
-  its own earlier tokens, so the pairs between responses are never computed. A call without the
-  row's layout (every other forward) is transformers' SDPA as is.
+  its own earlier tokens, so the pairs between responses are never computed. On CUDA in bf16/fp16 the
+  segments are two flash varlen calls over the real tokens (VarlenPrefixRows: no masks, FlashAttention's
+  kernels); elsewhere two SDPA calls under masks (PrefixRows). A call without the row's layout (every
+  other forward) is transformers' SDPA as is.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +23,17 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from vlgrpo.batch import to_device
+
+try:  # torch 2.11+: FlashAttention-2's varlen kernels, causal as the window (-1, 0), with a backward
+    from torch.nn.attention.varlen import varlen_attn
+    if "window_size" not in inspect.signature(varlen_attn).parameters:
+        varlen_attn = None
+except ImportError:
+    varlen_attn = None
+
+log = logging.getLogger(__name__)
 
 
 def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
@@ -72,6 +88,89 @@ class PrefixRows:
         return cls(prompt[:, None], torch.cat([sees_prompt, causal_r], dim=-1)[:, None])
 
 
+@dataclass(frozen=True)
+class VarlenPrefixRows:
+    """The layout of U packed prefix rows, each [prompt (P, left-padded) | response 1 (R) | ... | response k (R)],
+    as flash varlen calls take it: token places and cumulative lengths, made once per forward on the host.
+    Responses keep all R places (a causal query never reads the padding after it; its own output is
+    never read)."""
+
+    k: int
+    response_width: int  # R
+    prompt_tokens: torch.Tensor  # (Tp,) long: each real prompt token's place among the U P prompt places, row by row
+    prompt_bounds: torch.Tensor  # (U + 1,) int32: where each row's prompt starts in prompt_tokens
+    longest_prompt: int
+    response_keys: torch.Tensor  # (Tk,) long: places among the U L row places of each response's keys: its prompt's real tokens, then its R
+    response_key_bounds: torch.Tensor  # (U k + 1,) int32
+    response_query_bounds: torch.Tensor  # (U k + 1,) int32: R each
+
+    @classmethod
+    def of(cls, prompt_lengths: torch.Tensor, prompt_width: int, k: int, response_width: int, device) -> "VarlenPrefixRows":
+        """prompt_lengths: (U,) real tokens of each left-padded prompt, on the host (the layout is read
+        there: no wait for the device)."""
+        U, P, R = len(prompt_lengths), prompt_width, response_width
+        L = P + k * R
+        lengths = prompt_lengths.long().cpu()
+        real = torch.arange(P) >= (P - lengths)[:, None]  # (U, P) the real (right-aligned) prompt places
+        prompt_tokens = torch.arange(U * P).view(U, P)[real]  # among the U P prompt places
+        in_rows = (torch.arange(U)[:, None] * L + torch.arange(P))[real].split(lengths.tolist())  # among the U L row places
+        response = torch.arange(U * k * R).view(U, k, R) + (torch.arange(U) * (L - k * R))[:, None, None] + P  # (U, k, R) row places
+        keys = torch.cat([torch.cat([in_rows[u], response[u, j]]) for u in range(U) for j in range(k)])
+
+        def bounds(sizes):
+            return to_device(F.pad(torch.as_tensor(sizes).cumsum(0), (1, 0)).int(), device)
+
+        return cls(k, R, to_device(prompt_tokens, device), bounds(lengths), int(lengths.max()),
+                   to_device(keys, device), bounds((lengths + R).repeat_interleave(k)), bounds([R] * (U * k)))
+
+
+@functools.cache
+def flash_varlen_serves(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether packed prefix rows can be attended by flash varlen calls on this device and dtype; on CUDA,
+    says why not once."""
+    if device_type != "cuda":
+        return False
+    if varlen_attn is None:
+        log.info("packed rows: torch %s has no flash varlen attention with a causal window (torch 2.11+); "
+                 "their segments use SDPA under masks", torch.__version__)
+        return False
+    if dtype not in (torch.bfloat16, torch.float16):
+        log.info("packed rows: flash varlen attention takes bf16 or fp16, not %s; their segments use SDPA under masks", dtype)
+        return False
+    return True
+
+
+def varlen_rows_attention(query, key, value, rows: VarlenPrefixRows, scaling: float | None, attend=None) -> torch.Tensor:
+    """Packed prefix rows in two flash varlen calls: each prompt causally over its real tokens, each
+    response over its prompt's real tokens and its own (causal, aligned at the end: response token t
+    sees the prompt and response tokens 0..t).
+
+    query: (U, heads, L, D), key/value: (U, kv_heads, L, D), L = P + k R. Returns (U, L, heads, D), zero
+    at the prompts' padding. attend: the varlen kernel (varlen_attn's signature; tests pass a reference).
+    """
+    attend = attend or varlen_attn
+    (U, heads, L, D), kv_heads = query.shape, key.shape[1]
+    k, R = rows.k, rows.response_width
+    P = L - k * R
+
+    def tokens(x, part):  # (U, h, L, D) -> (U * part width, h, D), token-major
+        x = x[:, :, part]
+        return x.transpose(1, 2).reshape(-1, x.shape[1], D)
+
+    def widen(x):  # (T, kv_heads, D) -> (T, heads, D): each key/value head serves its group of query heads
+        return x[:, :, None].expand(-1, -1, heads // kv_heads, -1).reshape(x.shape[0], heads, D)
+
+    prompt, every = slice(0, P), slice(None)
+    q_p, k_p, v_p = (tokens(x, prompt).index_select(0, rows.prompt_tokens) for x in (query, key, value))
+    out_p = attend(q_p, widen(k_p), widen(v_p), rows.prompt_bounds, rows.prompt_bounds, rows.longest_prompt,
+                   rows.longest_prompt, scale=scaling, window_size=(-1, 0))  # (Tp, heads, D)
+    k_r, v_r = (widen(tokens(x, every).index_select(0, rows.response_keys)) for x in (key, value))
+    out_r = attend(tokens(query, slice(P, L)), k_r, v_r, rows.response_query_bounds, rows.response_key_bounds, R,
+                   rows.longest_prompt + R, scale=scaling, window_size=(-1, 0))  # (U k R, heads, D)
+    out_p = out_p.new_zeros(U * P, heads, D).index_copy(0, rows.prompt_tokens, out_p)
+    return torch.cat([out_p.view(U, P, heads, D), out_r.view(U, k * R, heads, D)], dim=1)
+
+
 def whole_row_mask(prompt_keys: torch.Tensor, response_keys: torch.Tensor) -> torch.Tensor:
     """The (U, 1, L, L) boolean mask of U packed prefix rows as one attention call takes them, L = P + k R
     (what PrefixRows splits in two): a prompt token sees the real prompt tokens up to itself, a response
@@ -89,15 +188,18 @@ def whole_row_mask(prompt_keys: torch.Tensor, response_keys: torch.Tensor) -> to
 
 
 def prefix_rows_attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None,
-                          prefix_rows: PrefixRows | None = None, **kwargs):
+                          prefix_rows: PrefixRows | VarlenPrefixRows | None = None, **kwargs):
     """transformers' SDPA; over packed prefix rows (`prefix_rows` given) in two calls, the prompts and
-    the responses, whose keys are each response's prompt and itself.
+    the responses, whose keys are each response's prompt and itself: flash varlen calls over the real
+    tokens (VarlenPrefixRows) or SDPA under masks (PrefixRows).
 
     query: (U, heads, L, D), key/value: (U, kv_heads, L, D), L = P + k R. Returns ((U, L, heads, D), None).
     """
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     if prefix_rows is None:
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if isinstance(prefix_rows, VarlenPrefixRows):
+        return varlen_rows_attention(query, key, value, prefix_rows, scaling), None
     U, P, R = query.shape[0], prefix_rows.prompt_mask.shape[-1], prefix_rows.response_mask.shape[-2]
     k = prefix_rows.response_mask.shape[0] // U
 

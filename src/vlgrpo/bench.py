@@ -50,7 +50,7 @@ from vlgrpo.trainer import GRPOTrainer
 log = logging.getLogger("vlgrpo.bench")
 
 PHASES = ("gen", "reward", "old", "ref", "adv", "update_actor")
-EVAL_PHASES = ("prefill", "decode")  # the static engine's record_function ranges
+EVAL_PHASES = ("prefill", "vision", "decode")  # record_function ranges: the static engine's, the vision tower's within prefill
 TARGETS = {"step_s": 15.0, "eval_s": 30.0}  # issue 7, on one H200 (printed for H200 runs only)
 
 
@@ -174,19 +174,21 @@ def profile_summary(events: list[dict], phases: tuple[str, ...] = PHASES, top: i
     """Per phase (a record_function range named in `phases`): wall s, GPU kernel s, busy fraction, kernels launched and the
     host time per launch; then each phase's costliest kernels. events: a Chrome trace's traceEvents.
 
-    A kernel belongs to the phase whose range holds the host call that launched it (matched by the
-    trace's correlation ids), so work queued in one phase and run in the next counts where it was queued.
+    A kernel belongs to the innermost phase whose range holds the host call that launched it (matched by
+    the trace's correlation ids), so work queued in one phase and run in the next counts where it was
+    queued, and a phase nested in another (vision within prefill) is not counted in it.
     """
     ranges = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                     if e.get("cat") == "user_annotation" and e.get("name") in phases)
     launched_at = {e["args"]["correlation"]: e["ts"] for e in events
                    if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
 
-    def phase_of(ts):
+    def phase_of(ts):  # the innermost range holding ts
+        inner = None
         for start, end, name in ranges:
             if start <= ts <= end:
-                return name
-        return None
+                inner = name
+        return inner
 
     gpu, launches, kernels = defaultdict(float), defaultdict(int), defaultdict(lambda: defaultdict(float))
     for e in events:
@@ -197,12 +199,14 @@ def profile_summary(events: list[dict], phases: tuple[str, ...] = PHASES, top: i
             gpu[phase] += e["dur"] / 1e6
             launches[phase] += 1
             kernels[phase][e["name"][:90]] += e["dur"] / 1e6
-    lines = [f"{'phase':<16}{'wall s':>10}{'gpu kernels s':>15}{'gpu busy':>10}{'kernels':>10}{'us/launch':>11}"]
+    walls = {}  # a phase's ranges (the vision tower's, once per prefill forward) summed, in order of first start
     for start, end, name in ranges:
-        wall = (end - start) / 1e6
+        walls[name] = walls.get(name, 0.0) + (end - start) / 1e6
+    lines = [f"{'phase':<16}{'wall s':>10}{'gpu kernels s':>15}{'gpu busy':>10}{'kernels':>10}{'us/launch':>11}"]
+    for name, wall in walls.items():
         per_launch = wall * 1e6 / launches[name] if launches[name] else 0.0
         lines.append(f"{name:<16}{wall:>10.3f}{gpu[name]:>15.3f}{gpu[name] / wall if wall else 0:>10.0%}{launches[name]:>10}{per_launch:>11.1f}")
-    for _, _, name in ranges:
+    for name in walls:
         if kernels[name]:
             lines += ["", f"{name}: costliest kernels (s)"]
             lines += [f"{t:>10.3f}  {k}" for k, t in sorted(kernels[name].items(), key=lambda kv: -kv[1])[:top]]

@@ -38,8 +38,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
-from vlgrpo import distributed, lora, models
-from vlgrpo.attention import PACKED_VISION_ATTENTION, PREFIX_ROWS_ATTENTION, PrefixRows, whole_row_mask
+from vlgrpo import attention, distributed, lora, models
+from vlgrpo.attention import PACKED_VISION_ATTENTION, PREFIX_ROWS_ATTENTION, PrefixRows, VarlenPrefixRows, whole_row_mask
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.config import NO_CUDA, ConfigError
 
@@ -278,7 +278,8 @@ def _vl_forward(model, prompts: PromptBatch, positions, tower: dict, attention_m
                                        (prompts.pixel_values_videos, prompts.video_grid_thw, video_index, base.config.video_token_id)):
         if pixels is None:  # text-only rows, or rows without videos
             continue
-        features = base.visual(pixels.type(base.visual.dtype), grid_thw=grid, **index).pooler_output
+        with torch.profiler.record_function("vision"):  # a range the benchmark's validation profile reports
+            features = base.visual(pixels.type(base.visual.dtype), grid_thw=grid, **index).pooler_output
         embeds = embeds.masked_scatter((prompts.input_ids == token)[..., None], features.to(embeds.dtype))
     return base.language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions, use_cache=use_cache,
                                **attention)
@@ -349,7 +350,10 @@ def _packed_prefix_hidden(model, unique: PromptBatch, host: PromptBatch, source,
     keys = torch.cat([unique.attention_mask, valid.view(U, k * R)], dim=1).bool()  # (U, L) keys that exist
     extra = {}
     if models.text_model(model).config._attn_implementation == PREFIX_ROWS_ATTENTION:  # segment by segment
-        extra["prefix_rows"] = PrefixRows.of(unique.attention_mask.bool(), valid.bool())
+        if attention.flash_varlen_serves(device.type, model.dtype):  # flash kernels over the real tokens
+            extra["prefix_rows"] = VarlenPrefixRows.of(host.attention_mask.sum(-1), P, k, R, device)
+        else:
+            extra["prefix_rows"] = PrefixRows.of(unique.attention_mask.bool(), valid.bool())
         mask = keys[:, None, None, :]  # (U, 1, 1, L): 4-D, so transformers builds no mask of its own; unread
     else:  # one (L, L) mask per row
         mask = whole_row_mask(unique.attention_mask.bool(), valid.bool())  # (U, 1, L, L) True: attend

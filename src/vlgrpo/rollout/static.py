@@ -296,7 +296,7 @@ class StaticEngine(HFEngine):
         dec = self._decoder_for(rows, cache_width, params)
         dec.load_weights()
         dec.mask.zero_()
-        with torch.profiler.record_function("prefill"):  # ranges the benchmark's profile reports (bench.EVAL_PHASES)
+        with torch.profiler.record_function("prefill"):  # a range the benchmark's validation profile reports (bench.EVAL_PHASES)
             logits = self._prefill(sub, dec)
         tokens, logp = keyed_sample(logits, keys, 0, params.temperature, params.top_p, dec.banned, params.top_k)
         dec.keys.copy_(keys)

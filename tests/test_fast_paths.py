@@ -196,8 +196,11 @@ def test_packed_vision_attention_equals_per_window(trainer):
         loop = torch.cat(model.model.get_image_features(pixels, grid).pooler_output)
         prepare_model(model, {**cfg, "packed_vision_attention": True}, torch.device("cpu"), trainable=False)
         packed = torch.cat(model.model.get_image_features(pixels, grid).pooler_output)
+        with varlen_layout():  # as on CUDA in bf16: one flash varlen call (the reference kernel here)
+            varlen = torch.cat(model.model.get_image_features(pixels, grid).pooler_output)
     assert loop.shape == packed.shape == (int(grid.prod(-1).sum()) // 4, model.config.text_config.hidden_size)
     assert (packed - loop).abs().max() < 1e-5 * loop.abs().max()
+    assert (varlen - loop).abs().max() < 1e-5 * loop.abs().max()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -441,3 +444,23 @@ def test_flash_varlen_prefix_rows_equal_the_masked_segments_on_cuda():
     assert (out - expected).abs().max() < 2e-2, (out - expected).abs().max()
     for g, e in zip(grads, expected_grads):
         assert (g - e).norm() <= 2e-2 * e.norm(), (g - e).norm() / e.norm()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or attention.varlen_attn is None, reason="needs CUDA and torch's flash varlen (2.11+)")
+def test_flash_varlen_packed_vision_attention_equals_padded_sdpa_on_cuda(monkeypatch):
+    """The vision tower's packed segments (windows and whole images, head dim 80 as Qwen2.5-VL's) in one
+    flash varlen call against SDPA over the segments padded: outputs and gradients within bf16's rounding."""
+    lengths = torch.tensor([64, 64, 30, 200, 7])
+    bounds = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int().cuda()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, int(lengths.sum()), 80, generator=g).cuda().bfloat16().requires_grad_() for _ in range(3))
+    weights = torch.randn(1, int(lengths.sum()), 16, 80, generator=g).cuda()
+    results = []
+    for flash in (True, False):
+        monkeypatch.setattr(attention, "flash_varlen_serves", lambda device_type, dtype: flash)
+        out, _ = attention.packed_attention(None, q, k, v, scaling=80**-0.5, cu_seq_lens_q=bounds, max_length_q=int(lengths.max()))
+        results.append((out.float(), torch.autograd.grad((out.float() * weights).sum(), (q, k, v))))
+    (out, grads), (expected, expected_grads) = results
+    assert (out - expected).abs().max() < 2e-2, (out - expected).abs().max()
+    for g_, e in zip(grads, expected_grads):
+        assert (g_.float() - e.float()).norm() <= 2e-2 * e.float().norm()

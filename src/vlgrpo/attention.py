@@ -1,7 +1,8 @@
 """vlgrpo's attention functions, registered with transformers under their own names.
 
-- PACKED_VISION_ATTENTION: the vision tower's packed images (cu_seqlens) in one SDPA call
-  (model.packed_vision_attention, Qwen2.5-VL's windowed tower).
+- PACKED_VISION_ATTENTION: the vision tower's packed images (cu_seqlens) in one call
+  (model.packed_vision_attention, Qwen2.5-VL's windowed tower): flash varlen on CUDA in bf16/fp16,
+  else SDPA over the segments padded to the longest.
 - PREFIX_ROWS_ATTENTION: the language model's SDPA, which also attends a packed prefix row
   [prompt | response 1 | ... | response k] (policy._packed_prefix_hidden, the update under gradient
   checkpointing) segment by segment: the prompt attends to itself, each response to the prompt and to
@@ -38,11 +39,16 @@ log = logging.getLogger(__name__)
 
 def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
                      cu_seq_lens_q=None, max_length_q=None, **kwargs):
-    """Attention within packed segments in one SDPA call: each segment padded to the longest.
+    """Attention within packed segments in one call: flash varlen on CUDA in bf16/fp16, else one SDPA
+    call with each segment padded to the longest.
 
     query/key/value: (1, heads, S, D), S tokens of segments bounded by cu_seq_lens_q (n + 1,).
     Returns ((1, S, heads, D), None) as transformers' flash-attention functions do.
     """
+    if flash_varlen_serves(query.device.type, query.dtype):
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (S, heads, D)
+        bounds, longest = cu_seq_lens_q.int(), int(max_length_q)
+        return varlen_attn(q, k, v, bounds, bounds, longest, longest, scale=scaling)[None], None
     _, heads, total, dim = query.shape
     bounds = cu_seq_lens_q.long()
     lengths = bounds[1:] - bounds[:-1]

@@ -132,16 +132,17 @@ class VarlenPrefixRows:
 
 @functools.cache
 def flash_varlen_serves(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether packed prefix rows can be attended by flash varlen calls on this device and dtype; on CUDA,
-    says why not once."""
+    """Whether packed segments (prefix rows, vision windows) can be attended by flash varlen calls on this
+    device and dtype; on CUDA, says why not once."""
     if device_type != "cuda":
         return False
     if varlen_attn is None:
-        log.info("packed rows: torch %s has no flash varlen attention with a causal window (torch 2.11+); "
-                 "their segments use SDPA under masks", torch.__version__)
+        log.info("torch %s has no flash varlen attention with a causal window (torch 2.11+): packed prefix rows "
+                 "and vision windows are attended by SDPA under masks", torch.__version__)
         return False
     if dtype not in (torch.bfloat16, torch.float16):
-        log.info("packed rows: flash varlen attention takes bf16 or fp16, not %s; their segments use SDPA under masks", dtype)
+        log.info("flash varlen attention takes bf16 or fp16, not %s: packed prefix rows and vision windows are "
+                 "attended by SDPA under masks", dtype)
         return False
     return True
 

@@ -226,10 +226,19 @@ def test_static_engine_gives_the_hf_tokens(trainer, temperature):
 def test_the_static_decoder_stacks_the_qkv_weights_of_each_call(trainer, monkeypatch):
     """One GEMM for a layer's query, key and value projections gives the three modules' tokens, and
     follows weights changed in place between calls (the policy trains; the decoder is kept)."""
+    from vlgrpo.rollout.static import _Decoder, _stacked_qkv_bytes
+
     prompts = samples(trainer, n=2)
     static = make_engine("static", trainer.policy, trainer.processor)
+    loads = []
+    load_weights = _Decoder.load_weights
+    monkeypatch.setattr(_Decoder, "load_weights", lambda self: loads.append(self) or load_weights(self))
     stacked = rollout(trainer, prompts, 1.0, max_tokens=16, engine=static)
     assert static._decoder.qkv is not None and static._decoder.qkv[0][1] is not None  # Qwen2.5: with biases
+    assert loads == [static._decoder]  # copied once a call
+    # what the free-memory bound counts for a new decoder's stacked weights is what it allocates
+    layers = models.text_model(trainer.policy).layers
+    assert _stacked_qkv_bytes(layers) == sum(w.nbytes + b.nbytes for w, b in static._decoder.qkv) > 0
     with monkeypatch.context() as m:
         m.setattr("vlgrpo.rollout.static._stacked_qkv", lambda *a: None)
         modules = rollout(trainer, prompts, 1.0, max_tokens=16, engine=make_engine("static", trainer.policy, trainer.processor))
@@ -240,7 +249,7 @@ def test_the_static_decoder_stacks_the_qkv_weights_of_each_call(trainer, monkeyp
         with torch.no_grad():
             v_proj.weight.mul_(-3.0)  # in place: the same address
         changed = rollout(trainer, prompts, 1.0, max_tokens=16, engine=static)
-        assert static._decoder is decoder
+        assert static._decoder is decoder and loads.count(decoder) == 2  # (the other engine's decoder loaded once between)
         hf = rollout(trainer, prompts, 1.0, max_tokens=16)
         assert torch.equal(changed.responses, hf.responses) and (changed.logp - hf.logp).abs().max() < 1e-5
         assert not torch.allclose(changed.logp, stacked.logp)

@@ -69,14 +69,27 @@ def _qkv(layer) -> tuple:
     return layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj
 
 
+def _stackable(projections) -> bool:
+    """Whether each layer's query, key and value projections can run as one GEMM: all plain Linear layers
+    (peft's LoRA layers add their adapters in forward), with a bias in all three or in none."""
+    return not (any(type(m) is not torch.nn.Linear for trio in projections for m in trio)
+                or any(len({m.bias is None for m in trio}) > 1 for trio in projections))
+
+
+def _stacked_qkv_bytes(layers) -> int:
+    """Bytes of a decoder's stacked query, key and value weights and biases (_stacked_qkv); 0 where unstacked."""
+    projections = [_qkv(layer) for layer in layers]
+    if not _stackable(projections):
+        return 0
+    return sum(m.weight.nbytes + (0 if m.bias is None else m.bias.nbytes) for trio in projections for m in trio)
+
+
 def _stacked_qkv(layers, device, dtype) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
     """Per layer, room for its query, key and value projections' weights (and biases) stacked in that
-    order: ((H + 2 KV) D, hidden) and ((H + 2 KV) D,). None where a projection is not a plain Linear
-    (peft's LoRA layers add their adapters in forward) or only some have a bias: the step then calls
-    the three modules."""
+    order: ((H + 2 KV) D, hidden) and ((H + 2 KV) D,). None where they are not _stackable: the step
+    then calls the three modules."""
     projections = [_qkv(layer) for layer in layers]
-    if any(type(m) is not torch.nn.Linear for trio in projections for m in trio) \
-            or any(len({m.bias is None for m in trio}) > 1 for trio in projections):
+    if not _stackable(projections):
         log.info("static engine: the query, key and value projections are not plain Linear layers alike "
                  "(%s); the decode step runs each on its own", type(projections[0][0]).__name__)
         return None
@@ -216,12 +229,14 @@ class StaticEngine(HFEngine):
 
     def _rows_that_fit(self, prompt_width: int, max_tokens: int) -> int:
         """Rows a decoder may hold in the memory free now (its cache, output buffers and sampling
-        work space), beside the prefill's working set."""
+        work space), beside the prefill's working set and its stacked q/k/v weights."""
         free = free_bytes(self.model.device)
         if free is None:
             return 1 << 62
-        if self._decoder is not None:  # freed before a new decoder is made
+        if self._decoder is not None:  # freed before a new decoder is made (its stacked weights as large as the next's)
             free += self._decoder.k.nbytes + self._decoder.v.nbytes
+        else:
+            free -= _stacked_qkv_bytes(models.text_model(self.model).layers)
         text = models.text_model(self.model).config
         dtype, vocab = self.model.dtype, self.model.lm_head.weight.shape[0]
         per_row = models.kv_cache_bytes(text, dtype, 1, _cache_width(prompt_width, max_tokens)) + 4 * vocab * 4 + max_tokens * 16
@@ -235,8 +250,12 @@ class StaticEngine(HFEngine):
         return tuple(p.data_ptr() for p in models.text_model(self.model).parameters()) + (self.model.lm_head.weight.data_ptr(),)
 
     def _decoder_for(self, rows: int, width: int, params: SamplingParams) -> _Decoder:
+        """The decoder for this shape, with the model's current q/k/v weights stacked in it (copied once a
+        call: a new decoder's capture reads them)."""
         key = (rows, width, params, self._weight_addresses())
-        if key != self._key:
+        if key == self._key:
+            self._decoder.load_weights()
+        else:
             self._decoder = self._key = None  # free the old cache before allocating the new one
             device = self.model.device
             eos = torch.tensor(self.eos_ids, device=device)
@@ -244,8 +263,8 @@ class StaticEngine(HFEngine):
             if params.ignore_eos:  # as the hf engine (generate's min_new_tokens): EOS is never sampled
                 banned = banned.index_fill(0, eos, True)
             decoder = _Decoder(self.model, rows, width, params.max_tokens, params, banned, eos, self.pad_id)
+            decoder.load_weights()
             if self.cuda_graph and params.max_tokens > 1:
-                decoder.load_weights()  # the warm-up step computes with them
                 decoder.capture()
                 self.captures += 1
                 log.info("static engine: decode step captured for %d rows, a cache %d wide (%d captures)", rows, width, self.captures)
@@ -294,7 +313,6 @@ class StaticEngine(HFEngine):
         rows, width = sub.input_ids.shape
         cache_width = _cache_width(width, params.max_tokens)
         dec = self._decoder_for(rows, cache_width, params)
-        dec.load_weights()
         dec.mask.zero_()
         with torch.profiler.record_function("prefill"):  # a range the benchmark's validation profile reports (bench.EVAL_PHASES)
             logits = self._prefill(sub, dec)

@@ -120,7 +120,7 @@ class VarlenPrefixRows:
         real = torch.arange(P) >= (P - lengths)[:, None]  # (U, P) the real (right-aligned) prompt places
         prompt_tokens = torch.arange(U * P).view(U, P)[real]  # among the U P prompt places
         in_rows = (torch.arange(U)[:, None] * L + torch.arange(P))[real].split(lengths.tolist())  # among the U L row places
-        response = torch.arange(U * k * R).view(U, k, R) + (torch.arange(U) * (L - k * R))[:, None, None] + P  # (U, k, R) row places
+        response = torch.arange(U)[:, None, None] * L + P + torch.arange(k)[:, None] * R + torch.arange(R)  # (U, k, R) row places
         keys = torch.cat([torch.cat([in_rows[u], response[u, j]]) for u in range(U) for j in range(k)])
 
         def bounds(sizes):

@@ -7,11 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import make_experiment, reference_varlen, text_attention, varlen_layout
+from conftest import make_experiment, text_attention, varlen_layout
 from vlgrpo import models
 from vlgrpo import attention
-from vlgrpo.attention import (PREFIX_ROWS_ATTENTION, PrefixRows, VarlenPrefixRows, prefix_rows_attention,
-                              varlen_rows_attention, whole_row_mask)
+from vlgrpo.attention import PREFIX_ROWS_ATTENTION, PrefixRows, VarlenPrefixRows, prefix_rows_attention, whole_row_mask
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.prompts import encode_prompts, render_prompt
 from vlgrpo.policy import (ForwardOptions, aligned_mlp, micro_batches, prefix_forward, prepare_model, prompt_runs,
@@ -417,14 +416,11 @@ def prefix_rows_case(device, dtype, U=3, k=4, P=37, R=29, heads=8, kv_heads=2, d
     return q, key, value, real, masks, VarlenPrefixRows.of(prompt_lengths, P, k, R, device)
 
 
-def outputs_and_grads(q, key, value, rows, real, attend=None):
+def outputs_and_grads(q, key, value, rows, real):
     """The real queries' outputs and the gradients of a weighted sum of them."""
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = q.shape[1] // key.shape[1], True
-    if isinstance(rows, VarlenPrefixRows):
-        out = varlen_rows_attention(q, key, value, rows, q.shape[-1] ** -0.5, attend)
-    else:
-        out, _ = prefix_rows_attention(module, q, key, value, scaling=q.shape[-1] ** -0.5, prefix_rows=rows)
+    out, _ = prefix_rows_attention(module, q, key, value, scaling=q.shape[-1] ** -0.5, prefix_rows=rows)
     weights = torch.linspace(-1, 1, out[real].numel(), device=q.device).view_as(out[real])
     grads = torch.autograd.grad((out[real].float() * weights).sum(), (q, key, value))
     return out[real].float(), [g.float() for g in grads]
@@ -435,7 +431,8 @@ def test_varlen_prefix_rows_equal_the_masked_segments():
     gradients: places, bounds, grouped heads and the end-aligned causal window."""
     q, key, value, real, masks, varlen = prefix_rows_case("cpu", torch.float32)
     assert varlen.longest_prompt == 37 and varlen.prompt_bounds.tolist() == [0, 37, 38, 58]
-    out, grads = outputs_and_grads(q, key, value, varlen, real, reference_varlen)
+    with varlen_layout():
+        out, grads = outputs_and_grads(q, key, value, varlen, real)
     expected, expected_grads = outputs_and_grads(q, key, value, masks, real)
     assert torch.allclose(out, expected, atol=1e-5)
     for g, e in zip(grads, expected_grads):

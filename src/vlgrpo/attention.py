@@ -147,15 +147,14 @@ def flash_varlen_serves(device_type: str, dtype: torch.dtype) -> bool:
     return True
 
 
-def varlen_rows_attention(query, key, value, rows: VarlenPrefixRows, scaling: float | None, attend=None) -> torch.Tensor:
+def varlen_rows_attention(query, key, value, rows: VarlenPrefixRows, scaling: float | None) -> torch.Tensor:
     """Packed prefix rows in two flash varlen calls: each prompt causally over its real tokens, each
     response over its prompt's real tokens and its own (causal, aligned at the end: response token t
     sees the prompt and response tokens 0..t).
 
     query: (U, heads, L, D), key/value: (U, kv_heads, L, D), L = P + k R. Returns (U, L, heads, D), zero
-    at the prompts' padding. attend: the varlen kernel (varlen_attn's signature; tests pass a reference).
+    at the prompts' padding.
     """
-    attend = attend or varlen_attn
     (U, heads, L, D), kv_heads = query.shape, key.shape[1]
     k, R = rows.k, rows.response_width
     P = L - k * R
@@ -169,10 +168,10 @@ def varlen_rows_attention(query, key, value, rows: VarlenPrefixRows, scaling: fl
 
     prompt, every = slice(0, P), slice(None)
     q_p, k_p, v_p = (tokens(x, prompt).index_select(0, rows.prompt_tokens) for x in (query, key, value))
-    out_p = attend(q_p, widen(k_p), widen(v_p), rows.prompt_bounds, rows.prompt_bounds, rows.longest_prompt,
+    out_p = varlen_attn(q_p, widen(k_p), widen(v_p), rows.prompt_bounds, rows.prompt_bounds, rows.longest_prompt,
                    rows.longest_prompt, scale=scaling, window_size=(-1, 0))  # (Tp, heads, D)
     k_r, v_r = (widen(tokens(x, every).index_select(0, rows.response_keys)) for x in (key, value))
-    out_r = attend(tokens(query, slice(P, L)), k_r, v_r, rows.response_query_bounds, rows.response_key_bounds, R,
+    out_r = varlen_attn(tokens(query, slice(P, L)), k_r, v_r, rows.response_query_bounds, rows.response_key_bounds, R,
                    rows.longest_prompt + R, scale=scaling, window_size=(-1, 0))  # (U k R, heads, D)
     out_p = out_p.new_zeros(U * P, heads, D).index_copy(0, rows.prompt_tokens, out_p)
     return torch.cat([out_p.view(U, P, heads, D), out_r.view(U, k * R, heads, D)], dim=1)

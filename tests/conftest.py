@@ -83,6 +83,33 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_si
     return torch.cat(out)
 
 
+def reference_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None,
+                            seqused_k=None, **unused):
+    """torch.ops.aten._flash_attention_forward's meaning for packed sequences, non-causal, without dropout:
+    sequence i's keys are seqused_k[i] from cu_k[i] (all up to cu_k[i + 1] without seqused_k). Returns its
+    output first, as the op does."""
+    assert dropout_p == 0 and not is_causal
+    counts = seqused_k if seqused_k is not None else cu_k[1:] - cu_k[:-1]
+    places = torch.cat([torch.arange(int(a), int(a) + int(n)) for a, n in zip(cu_k[:-1], counts)])
+    bounds = torch.nn.functional.pad(counts.long().cumsum(0), (1, 0))
+    assert int(counts.max()) <= max_k
+    return reference_varlen(q, k[places], v[places], cu_q, bounds, max_q, max_k, scale=scale), None, None, None, None
+
+
+@contextlib.contextmanager
+def flash_decode():
+    """The static decode step as on CUDA in bf16: each row's own keys in one flash varlen forward, run
+    meanwhile by reference_flash_forward."""
+    from vlgrpo import attention
+
+    before = attention.flash_decode_serves, attention.flash_forward
+    attention.flash_decode_serves, attention.flash_forward = (lambda device_type, dtype: True), reference_flash_forward
+    try:
+        yield
+    finally:
+        attention.flash_decode_serves, attention.flash_forward = before
+
+
 @contextlib.contextmanager
 def varlen_layout():
     """Packed prefix rows laid out for flash varlen calls (as on CUDA in bf16), run meanwhile by reference_varlen."""

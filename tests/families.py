@@ -4,6 +4,7 @@ the real processor, tokenizer and chat template. Text-only families: Qwen3-4B-In
 (qwen3) or transformers' config class with its vocabulary and token ids (qwen2, qwen3_moe, llama),
 beside its tokenizer and chat template."""
 
+import contextlib
 import json
 import shutil
 from dataclasses import replace
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from conftest import SHARED, text_attention, varlen_layout
+from conftest import SHARED, flash_decode, text_attention, varlen_layout
 from vlgrpo import models
 
 # model_type -> the shared folder whose processor and config it starts from
@@ -133,9 +134,11 @@ def check_logprobs_and_engines(trainer, model_type: str, prompts):
     if family.serves("worker.rollout.engine"):
         greedy = SamplingParams(0.0, 1.0, 12)
         hf = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
-        static = StaticEngine(trainer.policy, trainer.processor, cuda_graph=False).generate(prompts, keys, greedy, len(prompts))
-        assert torch.equal(static.responses, hf.responses)
-        assert torch.allclose(static.logp, hf.logp, atol=1e-5)
+        for decode in (contextlib.nullcontext(), flash_decode()):  # the whole cache under a mask; each row's own keys
+            with decode:
+                static = StaticEngine(trainer.policy, trainer.processor, cuda_graph=False).generate(prompts, keys, greedy, len(prompts))
+            assert torch.equal(static.responses, hf.responses)
+            assert torch.allclose(static.logp, hf.logp, atol=1e-5)
     return out, plain
 
 

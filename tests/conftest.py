@@ -83,31 +83,28 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_si
     return torch.cat(out)
 
 
-def reference_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None,
-                            seqused_k=None, **unused):
-    """torch.ops.aten._flash_attention_forward's meaning for packed sequences, non-causal, without dropout:
-    sequence i's keys are seqused_k[i] from cu_k[i] (all up to cu_k[i + 1] without seqused_k). Returns its
-    output first, as the op does."""
-    assert dropout_p == 0 and not is_causal
-    counts = seqused_k if seqused_k is not None else cu_k[1:] - cu_k[:-1]
-    places = torch.cat([torch.arange(int(a), int(a) + int(n)) for a, n in zip(cu_k[:-1], counts)])
-    bounds = torch.nn.functional.pad(counts.long().cumsum(0), (1, 0))
-    assert int(counts.max()) <= max_k
-    return reference_varlen(q, k[places], v[places], cu_q, bounds, max_q, max_k, scale=scale), None, None, None, None
+def reference_rows_attention(query, key, value, starts, counts, scale):
+    """rollout.decode_attention.rows_attention's meaning in PyTorch: each row and key/value head's query
+    heads (rows, kv_heads, group, D) over the `count` flattened cache places from `start`."""
+    rows, kv_heads, group, dim = query.shape
+    k, v = (x.reshape(-1, dim) for x in (key, value))
+    out = [torch.nn.functional.scaled_dot_product_attention(q, k[a:a + n], v[a:a + n], scale=scale)
+           for q, a, n in zip(query.reshape(-1, group, dim), starts.tolist(), counts.tolist())]
+    return torch.stack(out).view_as(query)
 
 
 @contextlib.contextmanager
-def flash_decode():
-    """The static decode step as on CUDA in bf16: each row's own keys in one flash varlen forward, run
-    meanwhile by reference_flash_forward."""
-    from vlgrpo import attention
+def own_keys_decode():
+    """The static decode step as on a GPU in bf16: each row's own keys (the kernel's layout), attended
+    meanwhile by reference_rows_attention."""
+    from vlgrpo.rollout import decode_attention
 
-    before = attention.flash_decode_serves, attention.flash_forward
-    attention.flash_decode_serves, attention.flash_forward = (lambda device_type, dtype: True), reference_flash_forward
+    before = decode_attention.serves, decode_attention.rows_attention
+    decode_attention.serves, decode_attention.rows_attention = (lambda *args: True), reference_rows_attention
     try:
         yield
     finally:
-        attention.flash_decode_serves, attention.flash_forward = before
+        decode_attention.serves, decode_attention.rows_attention = before
 
 
 @contextlib.contextmanager

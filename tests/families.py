@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from conftest import SHARED, flash_decode, text_attention, varlen_layout
+from conftest import SHARED, own_keys_decode, text_attention, varlen_layout
 from vlgrpo import models
 
 # model_type -> the shared folder whose processor and config it starts from
@@ -134,7 +134,7 @@ def check_logprobs_and_engines(trainer, model_type: str, prompts):
     if family.serves("worker.rollout.engine"):
         greedy = SamplingParams(0.0, 1.0, 12)
         hf = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
-        for decode in (contextlib.nullcontext(), flash_decode()):  # the whole cache under a mask; each row's own keys
+        for decode in (contextlib.nullcontext(), own_keys_decode()):  # the whole cache under a mask; each row's own keys
             with decode:
                 static = StaticEngine(trainer.policy, trainer.processor, cuda_graph=False).generate(prompts, keys, greedy, len(prompts))
             assert torch.equal(static.responses, hf.responses)

@@ -10,9 +10,6 @@
   segments are two flash varlen calls over the real tokens (VarlenPrefixRows: no masks, FlashAttention's
   kernels); elsewhere two SDPA calls under masks (PrefixRows). A call without the row's layout (every
   other forward) is transformers' SDPA as is.
-
-And the static engine's decode step (rollout.static): one query per row over that row's own keys in
-its static cache, as one flash varlen forward with per-sequence key counts (cached_rows_attention).
 """
 
 from __future__ import annotations
@@ -38,10 +35,6 @@ except ImportError:
     varlen_attn = None
 
 log = logging.getLogger(__name__)
-
-# FlashAttention-2's varlen forward as torch ships it, with seqused_k: per-sequence key counts read on
-# the device (a captured decode step replays with new counts).
-flash_forward = torch.ops.aten._flash_attention_forward
 
 
 def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
@@ -152,43 +145,6 @@ def flash_varlen_serves(device_type: str, dtype: torch.dtype) -> bool:
                  "attended by SDPA under masks", dtype)
         return False
     return True
-
-
-@functools.cache
-def flash_decode_serves(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether the static decode step can attend each row's own keys with torch's flash varlen forward
-    (its seqused_k); on CUDA, says why not once (the step then attends the whole cache under a mask)."""
-    if device_type != "cuda":
-        return False
-    if "seqused_k" not in str(flash_forward.default._schema):
-        log.info("torch %s's flash attention takes no per-sequence key counts (seqused_k): the decode step "
-                 "attends every row's whole cache under a mask", torch.__version__)
-        return False
-    if dtype not in (torch.bfloat16, torch.float16):
-        log.info("flash attention takes bf16 or fp16, not %s: the decode step attends every row's whole cache "
-                 "under a mask", dtype)
-        return False
-    return True
-
-
-def cached_rows_attention(query, key, value, key_starts, key_counts, scale: float | None) -> torch.Tensor:
-    """Each row's query heads over that row's keys in a static cache, in one flash varlen forward. A row
-    and key/value head pair is one sequence: its `group` query heads are the sequence's queries (the
-    keys are read once for the group), its keys the `count` columns from `start`.
-
-    query: (rows, kv_heads, group, D); key/value: (rows, kv_heads, W, D) contiguous; key_starts:
-    (rows kv_heads + 1,) int32, each pair's first key among the rows kv_heads W flattened cache places
-    (the last entry: their number); key_counts: (rows kv_heads,) int32, at least 1. Returns (rows,
-    kv_heads, group, D).
-    """
-    rows, kv_heads, group, dim = query.shape
-    width = key.shape[2]
-    pairs = rows * kv_heads
-    query_bounds = torch.arange(0, (pairs + 1) * group, group, device=query.device, dtype=torch.int32)
-    k, v = (x.view(pairs * width, 1, dim) for x in (key, value))
-    out = flash_forward(query.reshape(pairs * group, 1, dim), k, v, query_bounds, key_starts, group, width, 0.0, False,
-                        False, scale=scale, seqused_k=key_counts)[0]  # (pairs group, 1, D)
-    return out.view(rows, kv_heads, group, dim)
 
 
 def varlen_rows_attention(query, key, value, rows: VarlenPrefixRows, scaling: float | None) -> torch.Tensor:

@@ -8,10 +8,10 @@ masking: HFEngine.generate does the chunking and the masking), built for speed o
   sampled from its last logits;
 - decode: one step embeds the last token, applies rope at the row's next text position (the three
   Qwen2.5-VL rope axes are equal for text after the prompt, so this is plain rope, as a text-only
-  model's is), writes the new key/value into the cache, attends over the row's own keys (on CUDA in
-  bf16/fp16 one flash varlen forward with per-row key counts, attention.cached_rows_attention; else
-  SDPA over the whole cache under a row mask), runs the model's own projections (a layer's query, key and value ones as one GEMM over
-  their weights stacked, where all three are plain Linear layers: not under LoRA), MLPs and LM head,
+  model's is), writes the new key/value into the cache, attends over the row's own keys (on a GPU
+  in bf16/fp16 one Triton kernel, decode_attention; else SDPA over the whole cache under a row mask),
+  runs the model's own projections (a layer's query, key and value ones as one GEMM over their
+  weights stacked, where all three are plain Linear layers: not under LoRA), MLPs and LM head,
   its RMSNorms as one fused call each (F.rms_norm: float32 inside, one rounding instead of two in
   bf16), and samples the next token with keyed_sample, all on the device. Step counters live in
   device tensors, so on CUDA the step is captured once per shape (rows, cache width bucket,
@@ -30,16 +30,16 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
-from vlgrpo import attention, models
+from vlgrpo import models
 from vlgrpo.batch import PromptBatch
 from vlgrpo.policy import fused_rms_norm, prefix_forward, prompt_runs
-from vlgrpo.rollout import SamplingParams
+from vlgrpo.rollout import SamplingParams, decode_attention
 from vlgrpo.rollout.hf import HFEngine
 from vlgrpo.rollout.sampling import keyed_sample
 
 WIDTH_BUCKET = 128  # cache widths are rounded up to this, so most steps reuse the captured graph
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward: bounds its activation memory
-# Where flash varlen does not serve, the captured decode step may use cuDNN's attention whatever
+# Where the decode attention kernel does not serve, the captured decode step may use cuDNN's attention whatever
 # model.cudnn_attention says: its shape is fixed, so cuDNN builds its execution plan once (H200, 601
 # rows: 20.4 ms a step with it, 24.7 with memory-efficient attention).
 DECODE_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -125,10 +125,10 @@ class _Decoder:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.mask = torch.zeros(rows, width, device=device, dtype=torch.bool)  # keys a row may attend to
-        # Flash: each row's keys are the columns from its first real prompt token (prompts are left-padded,
-        # right-aligned at the prompt width) to the token fed; per row and key/value head, as the call takes them.
-        self.flash = attention.flash_decode_serves(device.type, dtype)
-        self.key_starts = torch.zeros(rows * self.kv_heads + 1, device=device, dtype=torch.int32)
+        # The kernel's keys for a row: the columns from its first real prompt token (prompts are left-padded,
+        # right-aligned at the prompt width) to the token fed; per row and key/value head, as it takes them.
+        self.own_keys = decode_attention.serves(device.type, dtype, self.head_dim)
+        self.key_starts = torch.zeros(rows * self.kv_heads, device=device, dtype=torch.int32)
         self.prompt_keys = torch.zeros(rows * self.kv_heads, device=device, dtype=torch.int32)
         self.tokens = torch.zeros(rows, device=device, dtype=torch.long)  # the token fed at this step
         self.keys = torch.zeros(rows, device=device, dtype=torch.long)
@@ -154,15 +154,14 @@ class _Decoder:
         rows, width = self.mask.shape
         prompt = self.mask.sum(-1, dtype=torch.int32).repeat_interleave(self.kv_heads)  # (rows KV,)
         pairs = torch.arange(rows * self.kv_heads, device=prompt.device, dtype=torch.int32)
-        self.key_starts[:-1] = pairs * width + self.prompt_width.int() - prompt
-        self.key_starts[-1] = rows * self.kv_heads * width
+        self.key_starts.copy_(pairs * width + self.prompt_width.int() - prompt)
         self.prompt_keys.copy_(prompt)
 
     def step(self) -> None:
         """Feed response token t, sample token t + 1 (buffers in, buffers out)."""
         t, rows = self.step_index, self.tokens.shape[0]
         write = self.prompt_width + t
-        if self.flash:
+        if self.own_keys:
             counts = self.prompt_keys + (t + 1).int()  # (rows KV,) the prompt's keys and response tokens 0..t
         else:
             self.mask.index_fill_(1, write, True)
@@ -193,8 +192,8 @@ class _Decoder:
             self.v[i].index_copy_(2, write, v[:, :, None])
             # The query heads of one key/value head form the query rows of one attention call.
             q = q.view(rows, self.kv_heads, group, self.head_dim)
-            if self.flash:
-                o = attention.cached_rows_attention(q, self.k[i], self.v[i], self.key_starts, counts, attn.scaling)
+            if self.own_keys:
+                o = decode_attention.rows_attention(q, self.k[i], self.v[i], self.key_starts, counts, attn.scaling)
             else:
                 o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=attend, scale=attn.scaling)
             x = x + attn.o_proj(o.reshape(rows, self.heads * self.head_dim))

@@ -92,5 +92,5 @@ def rows_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     out = torch.empty_like(query)
     _rows_kernel[(rows * kv_heads,)](query, key, value, out, starts, counts, float(scale), GROUP=group,
                                      GROUP_PAD=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=BLOCK_N,
-                                     num_warps=4)
+                                     num_warps=4, num_stages=3)
     return out

@@ -7,6 +7,11 @@
 #   gputests  the tests that need CUDA (skipped on the CPU): fast paths against the plain ones on the card
 #   step      vlgrpo bench on configs/bench_h100.yaml (the 80 GB settings), 2 measured steps, profiled,
 #             with the validation (bench_h100_<card>.json, .profile.txt, .eval.profile.txt)
+#   ab        the same bench without the profiler on this src and on .benchdata/prev/src, one after the
+#             other (make it here: mkdir -p .benchdata/prev && git archive <commit> src | tar -x -C
+#             .benchdata/prev): bench_h100_<card>_{now,prev}.json
+#   decode    scripts/bench_decode_attention.py: the decode step's attention kernel against SDPA over
+#             the masked cache (decode_attention_<card>.json)
 #   startup   scripts/bench_startup.py --device cuda, and `import vlgrpo.trainer` timed with and without
 #             a writable bytecode cache (PYTHONPYCACHEPREFIX): whether the host compiles at each start
 #   segments  scripts/bench_segments.py: 2 segments of 1 step under torchrun, the 80 GB settings
@@ -35,11 +40,20 @@ for part in "$@"; do
     case $part in
         gputests)
             python3 -c "import torch.nn.attention.varlen as v, inspect; print('varlen_attn', inspect.signature(v.varlen_attn))"
-            timeout -s ABRT 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_fast_paths.py -k cuda 2>&1 | tail -8 ;;
+            timeout -s ABRT 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_fast_paths.py \
+                tests/test_decode_attention.py -k cuda 2>&1 | tail -8 ;;
         step)
             timeout -s ABRT 400 python3 -m vlgrpo.cli bench --config configs/bench_h100.yaml --warmup 1 --steps 2 \
                 --plain-steps 0 --profile --out "$OUT/bench_h100_$tag.json" 2>&1 | quiet | tail -30
             cat "$OUT/bench_h100_$tag.eval.profile.txt" 2>/dev/null | head -30 ;;
+        ab)
+            for code in now prev; do
+                src=$PWD/src; [[ $code == prev ]] && src=$PWD/.benchdata/prev/src
+                PYTHONPATH=/tmp/site:$src timeout -s ABRT 300 python3 -m vlgrpo.cli bench --config configs/bench_h100.yaml \
+                    --warmup 1 --steps 2 --plain-steps 0 --out "$OUT/bench_h100_${tag}_$code.json" 2>&1 | quiet | tail -14
+            done ;;
+        decode)
+            timeout -s ABRT 200 python3 scripts/bench_decode_attention.py --out "$OUT/decode_attention_$tag.json" 2>&1 | tail -8 ;;
         startup)
             import_time plain; import_time plain-again
             PYTHONPYCACHEPREFIX=/tmp/pyc import_time cache-first; PYTHONPYCACHEPREFIX=/tmp/pyc import_time cache-again
@@ -49,7 +63,7 @@ for part in "$@"; do
             timeout -s ABRT 540 python3 scripts/bench_segments.py --torchrun --segments 2 --steps 1 \
                 --set model.gradient_checkpointing=true --set worker.actor.micro_batch_size_per_device_for_update=32 \
                 --out "$OUT/bench_segments_torchrun1_$tag.json" 2>&1 | quiet | tail -20 ;;
-        *) echo "unknown part $part (gputests, step, startup, segments)"; exit 2 ;;
+        *) echo "unknown part $part (gputests, step, ab, decode, startup, segments)"; exit 2 ;;
     esac
 done
 echo "== done in $(( $(date +%s) - start )) s"

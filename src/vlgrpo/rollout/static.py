@@ -39,9 +39,9 @@ from vlgrpo.rollout.sampling import keyed_sample
 
 WIDTH_BUCKET = 128  # cache widths are rounded up to this, so most steps reuse the captured graph
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward: bounds its activation memory
-# Where the decode attention kernel does not serve, the captured decode step may use cuDNN's attention whatever
-# model.cudnn_attention says: its shape is fixed, so cuDNN builds its execution plan once (H200, 601
-# rows: 20.4 ms a step with it, 24.7 with memory-efficient attention).
+# Where the decode attention kernel does not serve, the captured decode step may use cuDNN's attention
+# whatever model.cudnn_attention says: its shape is fixed, so cuDNN builds its execution plan once
+# (H200, 601 rows: 20.4 ms a step with it, 24.7 with memory-efficient attention).
 DECODE_ATTENTION = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 EOS_CHECK_EVERY = 32  # decode steps between host checks that every row has ended
 

@@ -86,7 +86,7 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_si
 def reference_rows_attention(query, key, value, starts, counts, scale):
     """rollout.decode_attention.rows_attention's meaning in PyTorch: each row and key/value head's query
     heads (rows, kv_heads, group, D) over the `count` flattened cache places from `start`."""
-    rows, kv_heads, group, dim = query.shape
+    group, dim = query.shape[-2:]
     k, v = (x.reshape(-1, dim) for x in (key, value))
     out = [torch.nn.functional.scaled_dot_product_attention(q, k[a:a + n], v[a:a + n], scale=scale)
            for q, a, n in zip(query.reshape(-1, group, dim), starts.tolist(), counts.tolist())]

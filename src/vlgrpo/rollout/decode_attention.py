@@ -7,10 +7,9 @@ average ~470 tokens in a 1408-wide cache: about half of what it reads). FlashAtt
 forward can skip them (per-row key counts), but it computes 128 query rows a tile for the 8 query
 heads a key/value head serves: on an H100 it took the validation's generation only from 20.0 to
 19.7 s, where this kernel reads at ~2.8 TB/s (scripts/bench_decode_attention.py). One program here
-serves one row and key/value head: its group of query heads
-(padded to 16, the least a tensor-core dot takes) against its keys, in blocks with an online
-softmax, as FlashAttention computes it: scores and sums in float32, probabilities rounded to the
-cache's dtype before they weigh the values.
+serves one row and key/value head: its group of query heads (padded to 16, the least a tensor-core
+dot takes) against its keys, in blocks with an online softmax, as FlashAttention computes it: scores
+and sums in float32, probabilities rounded to the cache's dtype before they weigh the values.
 """
 
 from __future__ import annotations

@@ -339,7 +339,8 @@ class StaticEngine(HFEngine):
         dec.keys.copy_(keys)
         dec.tokens.copy_(tokens)
         dec.prompt_width.fill_(width)
-        dec.count_prompt_keys()
+        if dec.own_keys:
+            dec.count_prompt_keys()
         dec.step_index.zero_()
         dec.out_tokens.fill_(self.pad_id)
         dec.out_tokens[:, 0] = tokens

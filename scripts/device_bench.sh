@@ -7,6 +7,8 @@
 #   gputests  the tests that need CUDA (skipped on the CPU): fast paths against the plain ones on the card
 #   step      vlgrpo bench on configs/bench_h100.yaml (the 80 GB settings), 2 measured steps, profiled,
 #             with the validation (bench_h100_<card>.json, .profile.txt, .eval.profile.txt)
+#   h200      on an H200 (no cap): vlgrpo bench on configs/bench_h200.yaml, the seed recipe's own settings,
+#             2 measured steps, profiled, with the validation (bench_h200.json, .profile.txt, .eval.profile.txt)
 #   ab        the same bench without the profiler on this src and on .benchdata/prev/src, one after the
 #             other (make it here: mkdir -p .benchdata/prev && git archive <commit> src | tar -x -C
 #             .benchdata/prev): bench_h100_<card>_{now,prev}.json
@@ -14,7 +16,8 @@
 #             the masked cache (decode_attention_<card>.json)
 #   startup   scripts/bench_startup.py --device cuda, and `import vlgrpo.trainer` timed with and without
 #             a writable bytecode cache (PYTHONPYCACHEPREFIX): whether the host compiles at each start
-#   segments  scripts/bench_segments.py: 2 segments of 1 step under torchrun, the 80 GB settings
+#   segments  scripts/bench_segments.py: 2 segments of $SEGMENT_STEPS (default 3) steps under torchrun, the 80 GB
+#             settings (bench_segments_torchrun1_<card>.json)
 # On an H200, scripts/cap_gpu_memory holds every vlgrpo process to 78 GiB (an 80 GB card's share).
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONFAULTHANDLER=1 TOKENIZERS_PARALLELISM=false
@@ -46,6 +49,11 @@ for part in "$@"; do
             timeout -s ABRT 400 python3 -m vlgrpo.cli bench --config configs/bench_h100.yaml --warmup 1 --steps 2 \
                 --plain-steps 0 --profile --out "$OUT/bench_h100_$tag.json" 2>&1 | quiet | tail -30
             cat "$OUT/bench_h100_$tag.eval.profile.txt" 2>/dev/null | head -30 ;;
+        h200)
+            [[ $tag == h200cap78 ]] || { echo "h200: this card is not an H200 ($card)"; continue; }
+            VLGRPO_BENCH_MEMORY_GIB= PYTHONPATH=/tmp/site:$PWD/src timeout -s ABRT 420 python3 -m vlgrpo.cli bench \
+                --config configs/bench_h200.yaml --warmup 1 --steps 2 --plain-steps 0 --profile --out "$OUT/bench_h200.json" 2>&1 | quiet | tail -30
+            head -30 "$OUT/bench_h200.eval.profile.txt" 2>/dev/null ;;
         ab)
             for code in now prev; do
                 src=$PWD/src; [[ $code == prev ]] && src=$PWD/.benchdata/prev/src
@@ -60,10 +68,11 @@ for part in "$@"; do
             timeout -s ABRT 150 python3 scripts/bench_startup.py --device cuda --repeats 2 \
                 --out "$OUT/bench_startup_$tag.json" 2>&1 | quiet | tail -25 ;;
         segments)
-            timeout -s ABRT 540 python3 scripts/bench_segments.py --torchrun --segments 2 --steps 1 \
+            timeout -s ABRT 540 python3 scripts/bench_segments.py --torchrun --segments 2 --steps ${SEGMENT_STEPS:-3} \
                 --set model.gradient_checkpointing=true --set worker.actor.micro_batch_size_per_device_for_update=32 \
-                --out "$OUT/bench_segments_torchrun1_$tag.json" 2>&1 | quiet | tail -20 ;;
-        *) echo "unknown part $part (gputests, step, ab, decode, startup, segments)"; exit 2 ;;
+                --out "$OUT/bench_segments_torchrun1_$tag.json" 2>&1 | quiet | tail -20
+            grep -h -A25 "in-process validation of step" /tmp/vlgrpo_bench_segments/results/bench_segments/logs/train_*.log | tail -40 ;;
+        *) echo "unknown part $part (gputests, step, h200, ab, decode, startup, segments)"; exit 2 ;;
     esac
 done
 echo "== done in $(( $(date +%s) - start )) s"

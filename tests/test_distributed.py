@@ -228,7 +228,8 @@ def test_bf16_optimizers_step_on_the_shards(demo_base, tmp_path, strategy):
 @pytest.mark.slow
 def test_bench_runs_the_fsdp2_path_under_torchrun_with_one_rank(demo_base, tmp_path):
     """`vlgrpo bench` under torchrun (1 rank: the model sharded with FSDP2 over one process) computes
-    the step that the single-process bench computes: the GPU comparison of the two paths runs as is."""
+    the step that the single-process bench computes, with as many static decoders (each gathering
+    places the weights anew): the GPU comparison of the two paths runs as is."""
     cfg = yaml.safe_load((ROOT / "configs" / "bench_cpu.yaml").read_text())
     cfg["model"]["path"] = demo_base["model"]["path"]
     cfg["data"]["train"], cfg["data"]["val"] = demo_base["data"]["train"], demo_base["data"]["val"]
@@ -247,6 +248,9 @@ def test_bench_runs_the_fsdp2_path_under_torchrun_with_one_rank(demo_base, tmp_p
     assert fsdp["plain"]["pg_loss"] == pytest.approx(single["plain"]["pg_loss"], rel=1e-4, abs=1e-6)
     assert fsdp["greedy_vs_hf"]["identical_rows"] == fsdp["greedy_vs_hf"]["rows"]
     assert fsdp["eval"]["items"] == single["eval"]["items"] == 16
+    # the sharded model's decoder reads its own copy of the weights: no new decoder for their new places
+    assert fsdp["static_engine"]["own_weights"] and not single["static_engine"]["own_weights"]
+    assert fsdp["static_engine"]["decoders"] == single["static_engine"]["decoders"]
 
 
 def test_the_segment_command_is_torchrun_for_several_processes():

@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -297,9 +298,11 @@ def test_the_free_memory_counts_the_allocators_unused_blocks_within_the_process_
     assert free_bytes(torch.device("cpu")) is None
 
 
-def test_the_static_decoder_is_kept_while_the_weights_stay_in_place(trainer):
+def test_the_static_decoder_is_kept_while_the_weights_stay_in_place(trainer, monkeypatch):
     """A captured decode step reads weights by address: the engine keeps its decoder (and graph) across
-    calls while they stay, and builds a new one when they move, as a sharded model's gathering may do."""
+    calls while they stay, and builds a new one when they move (the old one freed first)."""
+    from vlgrpo.rollout.static import _Decoder
+
     prompts = samples(trainer, n=2)
     static = make_engine("static", trainer.policy, trainer.processor)
     first = rollout(trainer, prompts, 0.0, max_tokens=8, engine=static)
@@ -308,12 +311,63 @@ def test_the_static_decoder_is_kept_while_the_weights_stay_in_place(trainer):
     assert static._decoder is decoder
     head = trainer.policy.lm_head.weight
     saved = head.data
+    old, alive = weakref.ref(decoder), []
+    del decoder
+    init = _Decoder.__init__
+    monkeypatch.setattr(_Decoder, "__init__", lambda self, *a: alive.append(old() is not None) or init(self, *a))
     try:
         head.data = saved.clone()  # the same values at a new address
         moved = rollout(trainer, prompts, 0.0, max_tokens=8, engine=static)
-        assert static._decoder is not decoder and torch.equal(moved.responses, first.responses)
+        assert static._decoder is not old() and torch.equal(moved.responses, first.responses)
+        assert alive == [False]  # the old decoder's cache was freed before the new one was made
     finally:
         head.data = saved
+
+
+def test_a_decoder_with_its_own_weights_outlives_their_moves_and_serves_narrower_prompts(trainer, monkeypatch):
+    """Where the model is sharded (FSDP2 gathers it afresh for each rollout, to new places), the decoder
+    keeps its own copy of the weights its step reads: it is kept while they move and change, with the
+    hf engine's tokens. Its step attending each row's own keys, it also serves prompts narrower than its
+    cache: one decoder (one capture on a GPU) for a segment's steps."""
+    from vlgrpo.rollout.static import StaticEngine, _cache_width, _Decoder, _own_weights_bytes
+
+    monkeypatch.setattr(StaticEngine, "own_weights", property(lambda self: True))  # as under FSDP2
+    down = models.text_model(trainer.policy).layers[0].mlp.down_proj
+    read, step = [], _Decoder.step
+    monkeypatch.setattr(_Decoder, "step", lambda self: read.append(down.weight.data_ptr()) or step(self))
+    wide_rows = [{**row, "problem": row["problem"] + " Look closely." * 60} for row in trainer.rows[:1]]
+    wide_rows = [{**row, "prompt": render_prompt(trainer.processor, row["problem"], "r1v")} for row in wide_rows]
+    wide = PromptBatch.from_processor(encode_prompts(trainer.processor, wide_rows), [1]).repeat_interleave(6)
+    narrow = samples(trainer, n=2)  # 6 rows too
+    policy = trainer.policy
+    with own_keys_decode():
+        static = make_engine("static", policy, trainer.processor)
+        rollout(trainer, wide, 1.0, max_tokens=12, engine=static)
+        decoder = static._decoder
+        assert decoder.own and static.decoders == 1
+        assert sum(t.nbytes for t in decoder.own.values()) == _own_weights_bytes(policy, stacked=True) > 0
+        assert decoder.mask.shape[1] > _cache_width(narrow.input_ids.shape[1], 12)
+        held = {id(p): p for p in policy.parameters()}
+        saved = {name: p.data for name, p in policy.named_parameters()}
+        try:
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.data = p.data.clone()  # the same values at new places, as a new gathering
+                down.weight.mul_(-3.0)  # and a weight the stacked q/k/v do not hold changed
+            read.clear()
+            moved = rollout(trainer, narrow, 1.0, max_tokens=12, engine=static)
+            assert static._decoder is decoder and static.decoders == 1
+            assert set(read) == {decoder.own[id(down.weight)].data_ptr()}  # the step read the decoder's copy
+            # the modules hold the model's parameters again after the call
+            assert all(id(p) in held for p in policy.parameters())
+            hf = rollout(trainer, narrow, 1.0, max_tokens=12)
+            assert torch.equal(moved.responses, hf.responses) and (moved.logp - hf.logp).abs().max() < 1e-5
+        finally:
+            with torch.no_grad():
+                for name, p in policy.named_parameters():
+                    p.data = saved[name]
+    unchanged = rollout(trainer, narrow, 1.0, max_tokens=12)
+    assert not torch.allclose(unchanged.logp, moved.logp)  # the changed weight was read
 
 
 def test_dynamic_micro_batches_respect_the_token_budget(trainer):
@@ -476,3 +530,26 @@ def test_flash_varlen_packed_vision_attention_equals_padded_sdpa_on_cuda(monkeyp
     assert (out - expected).abs().max() < 2e-2, (out - expected).abs().max()
     for g_, e in zip(grads, expected_grads):
         assert (g_.float() - e.float()).norm() <= 2e-2 * e.float().norm()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_captured_decoder_with_its_own_weights_replays_after_they_move_on_cuda(trainer, monkeypatch):
+    """On the card, in bf16: the decoder with its own copy of the weights captures its step once and
+    replays it after every parameter moved (as a new FSDP2 gathering places them), with the tokens and
+    log-probs of a decoder captured over the model's weights where they are."""
+    from vlgrpo.rollout.static import StaticEngine
+
+    model = copy.deepcopy(trainer.policy).to("cuda", torch.bfloat16)
+    prompts = samples(trainer, n=2)
+    keys, params = torch.arange(len(prompts)), SamplingParams(1.0, 1.0, 24, ignore_eos=True)
+    expected = make_engine("static", model, trainer.processor).generate(prompts, keys, params, batch_size=len(prompts))
+    monkeypatch.setattr(StaticEngine, "own_weights", property(lambda self: True))
+    own = make_engine("static", model, trainer.processor)
+    first = own.generate(prompts, keys, params, batch_size=len(prompts))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    again = own.generate(prompts, keys, params, batch_size=len(prompts))
+    assert own.captures == own.decoders == 1
+    for out in (first, again):
+        assert torch.equal(out.responses, expected.responses) and torch.equal(out.logp, expected.logp)

@@ -389,6 +389,9 @@ def main(argv=None) -> dict:
     for step in range(1, first):
         trainer.step(step)
     result.update(run_steps(trainer, range(first, first + args.steps), device, result["peak_tflops"]))
+    if hasattr(trainer.engine, "decoders"):  # the static engine, over the warm-up and measured steps
+        engine = trainer.engine
+        result["static_engine"] = {"decoders": engine.decoders, "captures": engine.captures, "own_weights": engine.own_weights}
     last = first + args.steps - 1
     if args.profile:
         last += 1

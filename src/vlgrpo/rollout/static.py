@@ -17,10 +17,17 @@ masking: HFEngine.generate does the chunking and the masking), built for speed o
   device tensors, so on CUDA the step is captured once per shape (rows, cache width bucket,
   sampling parameters) and replayed without host work. With ignore_eos, EOS is never sampled, as
   the hf engine's generate (min_new_tokens) does.
+
+A captured step reads its weights where they were at the capture. A model sharded with FSDP2 is
+gathered afresh for each rollout, to new places: there the decoder keeps its own copy of the weights
+the step reads (loaded each call), so its graph outlives the gathering. Where the step attends each
+row's own keys, a decoder serves every later call of as many rows with prompts no wider than its cache
+holds: a segment's steps capture once, whatever their prompt widths.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import replace
@@ -30,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
-from vlgrpo import models
+from vlgrpo import distributed, models
 from vlgrpo.batch import PromptBatch
 from vlgrpo.policy import fused_rms_norm, prefix_forward, prompt_runs
 from vlgrpo.rollout import SamplingParams, decode_attention
@@ -102,6 +109,21 @@ def _stacked_qkv(layers, device, dtype) -> list[tuple[torch.Tensor, torch.Tensor
     return stacked
 
 
+def _read_weights(model, stacked: bool) -> list[tuple[torch.nn.Module, str]]:
+    """The (module, parameter name) pairs the decode step reads: the text model's and the LM head's,
+    less the query, key and value projections' where the decoder stacks its own copy of them."""
+    lm = models.text_model(model)
+    skip = {id(m) for layer in lm.layers for m in _qkv(layer)} if stacked else set()
+    return [(module, name) for module in [*lm.modules(), model.lm_head] if id(module) not in skip
+            for name, p in module._parameters.items() if p is not None]
+
+
+def _own_weights_bytes(model, stacked: bool) -> int:
+    """Bytes of a decoder's own copy of the weights it reads (each shared one once)."""
+    weights = {id(p): p for module, name in _read_weights(model, stacked) for p in [module._parameters[name]]}
+    return sum(p.nbytes for p in weights.values())
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -110,7 +132,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class _Decoder:
     """Static buffers and the decode step for `rows` sequences in a cache `width` positions wide."""
 
-    def __init__(self, model, rows: int, width: int, max_tokens: int, params: SamplingParams, banned, eos_ids, pad_id):
+    def __init__(self, model, rows: int, width: int, max_tokens: int, params: SamplingParams, banned, eos_ids, pad_id,
+                 own_weights: bool = False):
         lm = models.text_model(model)
         text = lm.config
         self.layers, self.norm, self.embed, self.head = lm.layers, lm.norm, lm.embed_tokens, model.lm_head
@@ -121,6 +144,12 @@ class _Decoder:
         self.params, self.banned, self.eos, self.pad_id = params, banned, eos_ids, pad_id
         device, dtype = model.device, model.dtype
         self.qkv = _stacked_qkv(self.layers, device, dtype)  # filled from the model by load_weights
+        # own_weights: (module, name) pairs the step reads and, per distinct parameter, this decoder's copy
+        self.reads = _read_weights(model, self.qkv is not None) if own_weights else []
+        self.own = {}
+        for module, name in self.reads:
+            p = module._parameters[name]
+            self.own.setdefault(id(p), torch.empty(p.shape, device=p.device, dtype=p.dtype))
         shape = (len(self.layers), rows, self.kv_heads, width, self.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -140,14 +169,36 @@ class _Decoder:
         self.finished = torch.zeros(rows, device=device, dtype=torch.bool)
         self.graph = None
 
+    def serves(self, width: int) -> bool:
+        """Whether a call needing a cache `width` wide can run on this decoder: as wide, or narrower where
+        the step attends each row's own keys (the masked step would also read the columns beyond)."""
+        return self.mask.shape[1] == width or (self.own_keys and self.mask.shape[1] > width)
+
     def load_weights(self) -> None:
-        """Copy the layers' query, key and value weights into the stacked ones: the policy's weights
-        change between calls, the captured step reads the stacked copies where they are."""
+        """Copy the layers' query, key and value weights into the stacked ones, and the weights the step
+        reads into its own copy if it keeps one: the policy's weights change between calls, the captured
+        step reads the copies where they are."""
         for layer, (weight, bias) in zip(self.layers, self.qkv or []):
             trio = _qkv(layer)
             torch.cat([m.weight for m in trio], out=weight)
             if bias is not None:
                 torch.cat([m.bias for m in trio], out=bias)
+        for module, name in self.reads:
+            p = module._parameters[name]
+            self.own[id(p)].copy_(p)
+
+    @contextlib.contextmanager
+    def reading_own_weights(self):
+        """The model's modules hold this decoder's copy of the weights the step reads, for the block
+        (the step calls the modules; none is an FSDP unit, so no gathering runs meanwhile)."""
+        held = [(module, name, module._parameters[name]) for module, name in self.reads]
+        for module, name, p in held:
+            module._parameters[name] = self.own[id(p)]
+        try:
+            yield
+        finally:
+            for module, name, p in held:
+                module._parameters[name] = p
 
     def count_prompt_keys(self) -> None:
         """After the prefill: where each row's keys start in the cache and how many its prompt has."""
@@ -211,7 +262,7 @@ class _Decoder:
         """Record the step as a CUDA graph (one eager warm-up on a side stream first, as CUDA graphs need)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with sdpa_kernel(DECODE_ATTENTION):
+        with sdpa_kernel(DECODE_ATTENTION), self.reading_own_weights():
             with torch.cuda.stream(stream):
                 self.step()
             torch.cuda.current_stream().wait_stream(stream)
@@ -221,11 +272,12 @@ class _Decoder:
                 self.step()
 
     def run(self, steps: int, stop_at_eos: bool, progress) -> None:
-        for i in range(steps):
-            self.graph.replay() if self.graph is not None else self.step()
-            progress.update(1)
-            if stop_at_eos and (i + 1) % EOS_CHECK_EVERY == 0 and bool(self.finished.all()):
-                break
+        with self.reading_own_weights():
+            for i in range(steps):
+                self.graph.replay() if self.graph is not None else self.step()
+                progress.update(1)
+                if stop_at_eos and (i + 1) % EOS_CHECK_EVERY == 0 and bool(self.finished.all()):
+                    break
 
 
 class StaticEngine(HFEngine):
@@ -234,6 +286,7 @@ class StaticEngine(HFEngine):
         self.cuda_graph = cuda_graph and model.device.type == "cuda"
         self._decoder: _Decoder | None = None
         self._key = None
+        self.decoders = 0  # decoders built so far
         self.captures = 0  # CUDA graphs recorded so far
 
     def generate(self, prompts: PromptBatch, keys: torch.Tensor, params: SamplingParams, batch_size: int, progress=False):
@@ -252,10 +305,11 @@ class StaticEngine(HFEngine):
         free = free_bytes(self.model.device)
         if free is None:
             return 1 << 62
-        if self._decoder is not None:  # freed before a new decoder is made (its stacked weights as large as the next's)
+        if self._decoder is not None:  # freed before a new decoder is made (its weights as large as the next's)
             free += self._decoder.k.nbytes + self._decoder.v.nbytes
         else:
-            free -= _stacked_qkv_bytes(models.text_model(self.model).layers)
+            stacked = _stacked_qkv_bytes(models.text_model(self.model).layers)
+            free -= stacked + (_own_weights_bytes(self.model, stacked > 0) if self.own_weights else 0)
         text = models.text_model(self.model).config
         dtype, vocab = self.model.dtype, self.model.lm_head.weight.shape[0]
         per_row = models.kv_cache_bytes(text, dtype, 1, _cache_width(prompt_width, max_tokens)) + 4 * vocab * 4 + max_tokens * 16
@@ -263,32 +317,44 @@ class StaticEngine(HFEngine):
         prefill = models.kv_cache_bytes(text, dtype, 1, PREFILL_TOKENS) + PREFILL_TOKENS * 24 * text.hidden_size * dtype.itemsize
         return max(1, (free - prefill) // per_row)
 
+    @property
+    def own_weights(self) -> bool:
+        """Whether a decoder keeps its own copy of the weights its step reads: where the model is sharded
+        (FSDP2 gathers it afresh for each rollout, to new places)."""
+        return distributed.is_sharded(self.model)
+
     def _weight_addresses(self) -> tuple[int, ...]:
-        """Where the decode step reads its weights. A captured graph reads them there; a sharded
-        model's gathering may place them elsewhere (then the step is captured again)."""
+        """Where the decode step reads its weights. A captured graph reads them there; weights moved
+        since (a parameter's data replaced) need a new capture."""
         return tuple(p.data_ptr() for p in models.text_model(self.model).parameters()) + (self.model.lm_head.weight.data_ptr(),)
 
     def _decoder_for(self, rows: int, width: int, params: SamplingParams) -> _Decoder:
-        """The decoder for this shape, with the model's current q/k/v weights stacked in it (copied once a
-        call: a new decoder's capture reads them)."""
-        key = (rows, width, params, self._weight_addresses())
-        if key == self._key:
+        """The decoder for `rows` rows and a cache `width` wide (or wider, where its step attends each
+        row's own keys), with the model's current weights loaded in it (copied once a call: a new
+        decoder's capture reads them)."""
+        own = self.own_weights
+        key = (rows, params, None if own else self._weight_addresses())
+        if key == self._key and self._decoder.serves(width):
             self._decoder.load_weights()
-        else:
-            self._decoder = self._key = None  # free the old cache before allocating the new one
-            device = self.model.device
-            eos = torch.tensor(self.eos_ids, device=device)
-            banned = self.banned.to(device)
-            if params.ignore_eos:  # as the hf engine (generate's min_new_tokens): EOS is never sampled
-                banned = banned.index_fill(0, eos, True)
-            decoder = _Decoder(self.model, rows, width, params.max_tokens, params, banned, eos, self.pad_id)
-            decoder.load_weights()
-            if self.cuda_graph and params.max_tokens > 1:
-                decoder.capture()
-                self.captures += 1
-                log.info("static engine: decode step captured for %d rows, a cache %d wide (%d captures)", rows, width, self.captures)
-            self._decoder, self._key = decoder, key
-        return self._decoder
+            return self._decoder
+        self._decoder = self._key = None  # free the old cache and weight copies before allocating new ones
+        device = self.model.device
+        eos = torch.tensor(self.eos_ids, device=device)
+        banned = self.banned.to(device)
+        if params.ignore_eos:  # as the hf engine (generate's min_new_tokens): EOS is never sampled
+            banned = banned.index_fill(0, eos, True)
+        decoder = _Decoder(self.model, rows, width, params.max_tokens, params, banned, eos, self.pad_id, own)
+        decoder.load_weights()
+        self.decoders += 1
+        captured = self.cuda_graph and params.max_tokens > 1
+        if captured:
+            decoder.capture()
+            self.captures += 1
+        log.info("static engine: decoder %d for %d rows, a cache %d wide%s%s", self.decoders, rows, width,
+                 f", its own copy of the weights ({sum(t.nbytes for t in decoder.own.values()) / 2**30:.2f} GiB: "
+                 "the model is sharded)" if own else "", f"; decode step captured ({self.captures} captures)" if captured else "")
+        self._decoder, self._key = decoder, key
+        return decoder
 
     def _prefill(self, sub: PromptBatch, dec: _Decoder) -> torch.Tensor:
         """Encode each distinct prompt once into the decoder's cache; returns (rows, V) last logits.

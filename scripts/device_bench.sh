@@ -16,6 +16,8 @@
 #             the masked cache (decode_attention_<card>.json)
 #   startup   scripts/bench_startup.py --device cuda, and `import vlgrpo.trainer` timed with and without
 #             a writable bytecode cache (PYTHONPYCACHEPREFIX): whether the host compiles at each start
+#   torchrun1 the 80 GB bench without the validation, 3 steps, in one process and under torchrun as one
+#             FSDP2 rank, one after the other (bench_torchrun1_<card>_{single,fsdp}.json)
 #   segments  scripts/bench_segments.py: 2 segments of $SEGMENT_STEPS (default 3) steps under torchrun, the 80 GB
 #             settings (bench_segments_torchrun1_<card>.json)
 # On an H200, scripts/cap_gpu_memory holds every vlgrpo process to 78 GiB (an 80 GB card's share).
@@ -67,12 +69,18 @@ for part in "$@"; do
             PYTHONPYCACHEPREFIX=/tmp/pyc import_time cache-first; PYTHONPYCACHEPREFIX=/tmp/pyc import_time cache-again
             timeout -s ABRT 150 python3 scripts/bench_startup.py --device cuda --repeats 2 \
                 --out "$OUT/bench_startup_$tag.json" 2>&1 | quiet | tail -25 ;;
+        torchrun1)
+            for launch in single fsdp; do
+                run=(python3); [[ $launch == fsdp ]] && run=(python3 -m torch.distributed.run --standalone --nproc-per-node 1)
+                timeout -s ABRT 240 "${run[@]}" -m vlgrpo.cli bench --config configs/bench_h100.yaml --warmup 1 --steps 3 \
+                    --plain-steps 0 --no-eval --out "$OUT/bench_torchrun1_${tag}_$launch.json" 2>&1 | quiet | grep -e "step [0-9]*:" -e "static engine" -e Error | tail -8
+            done ;;
         segments)
             timeout -s ABRT 540 python3 scripts/bench_segments.py --torchrun --segments 2 --steps ${SEGMENT_STEPS:-3} \
                 --set model.gradient_checkpointing=true --set worker.actor.micro_batch_size_per_device_for_update=32 \
                 --out "$OUT/bench_segments_torchrun1_$tag.json" 2>&1 | quiet | tail -20
             grep -h -A25 "in-process validation of step" /tmp/vlgrpo_bench_segments/results/bench_segments/logs/train_*.log | tail -40 ;;
-        *) echo "unknown part $part (gputests, step, h200, ab, decode, startup, segments)"; exit 2 ;;
+        *) echo "unknown part $part (gputests, step, h200, torchrun1, ab, decode, startup, segments)"; exit 2 ;;
     esac
 done
 echo "== done in $(( $(date +%s) - start )) s"

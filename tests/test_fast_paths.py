@@ -273,7 +273,7 @@ def test_the_static_engine_decodes_in_parts_when_the_cache_does_not_fit(trainer,
     calls = []
     generate = static._generate
     monkeypatch.setattr(static, "_generate", lambda sub, *a: calls.append(len(sub)) or generate(sub, *a))
-    per_row = static._rows_that_fit(prompts.input_ids.shape[1], 8)
+    per_row = static._rows_that_fit(prompts.input_ids.shape[1], 8, own=False)
     assert per_row > 10**9  # the CPU: no bound
     monkeypatch.setattr("vlgrpo.rollout.static.free_bytes", lambda device: 0)
     with caplog.at_level("INFO", logger="vlgrpo.rollout.static"):
@@ -329,7 +329,7 @@ def test_a_decoder_with_its_own_weights_outlives_their_moves_and_serves_narrower
     keeps its own copy of the weights its step reads: it is kept while they move and change, with the
     hf engine's tokens. Its step attending each row's own keys, it also serves prompts narrower than its
     cache: one decoder (one capture on a GPU) for a segment's steps."""
-    from vlgrpo.rollout.static import StaticEngine, _cache_width, _Decoder, _own_weights_bytes
+    from vlgrpo.rollout.static import StaticEngine, _cache_width, _Decoder, _weight_bytes
 
     monkeypatch.setattr(StaticEngine, "own_weights", property(lambda self: True))  # as under FSDP2
     down = models.text_model(trainer.policy).layers[0].mlp.down_proj
@@ -345,7 +345,7 @@ def test_a_decoder_with_its_own_weights_outlives_their_moves_and_serves_narrower
         rollout(trainer, wide, 1.0, max_tokens=12, engine=static)
         decoder = static._decoder
         assert decoder.own and static.decoders == 1
-        assert sum(t.nbytes for t in decoder.own.values()) == _own_weights_bytes(policy, stacked=True) > 0
+        assert decoder.weight_bytes == _weight_bytes(policy, own=True) > _weight_bytes(policy, own=False)
         assert decoder.mask.shape[1] > _cache_width(narrow.input_ids.shape[1], 12)
         held = {id(p): p for p in policy.parameters()}
         saved = {name: p.data for name, p in policy.named_parameters()}
@@ -368,6 +368,26 @@ def test_a_decoder_with_its_own_weights_outlives_their_moves_and_serves_narrower
                     p.data = saved[name]
     unchanged = rollout(trainer, narrow, 1.0, max_tokens=12)
     assert not torch.allclose(unchanged.logp, moved.logp)  # the changed weight was read
+
+
+def test_a_decoder_keeps_no_copy_of_the_weights_where_the_rows_do_not_fit_beside_it(trainer, monkeypatch, caplog):
+    """The copy pays off across calls only: where a call's rows fit in one decoder without it and not
+    with it (a validation's one call beside the training state), the decoder reads the weights in place."""
+    from vlgrpo.rollout.static import StaticEngine
+
+    prompts = samples(trainer, n=2)  # 6 rows
+    monkeypatch.setattr("vlgrpo.rollout.static.free_bytes", lambda device: 10**10)
+    static = make_engine("static", trainer.policy, trainer.processor)
+    width = prompts.input_ids.shape[1]
+    assert static._rows_that_fit(width, 8, own=True) < static._rows_that_fit(width, 8, own=False)  # the copy counted
+    monkeypatch.setattr(StaticEngine, "own_weights", property(lambda self: True))  # as under FSDP2
+    monkeypatch.setattr(StaticEngine, "_rows_that_fit", lambda self, width, max_tokens, own: 2 if own else 6)
+    with caplog.at_level("INFO", logger="vlgrpo.rollout.static"):
+        out = rollout(trainer, prompts, 1.0, max_tokens=8, engine=static)
+    assert static._decoder.own == {} and static._decoder.mask.shape[0] == 6  # no copy, every row in one call
+    assert "6 rows do not fit beside a copy of them" in caplog.text
+    hf = rollout(trainer, prompts, 1.0, max_tokens=8)
+    assert torch.equal(out.responses, hf.responses) and (out.logp - hf.logp).abs().max() < 1e-5
 
 
 def test_dynamic_micro_batches_respect_the_token_budget(trainer):

@@ -20,9 +20,9 @@ masking: HFEngine.generate does the chunking and the masking), built for speed o
 
 A captured step reads its weights where they were at the capture. A model sharded with FSDP2 is
 gathered afresh for each rollout, to new places: there the decoder keeps its own copy of the weights
-the step reads (loaded each call), so its graph outlives the gathering. Where the step attends each
-row's own keys, a decoder serves every later call of as many rows with prompts no wider than its cache
-holds: a segment's steps capture once, whatever their prompt widths.
+the step reads (loaded each call, where the call's rows fit beside it), so its graph outlives the
+gathering. Where the step attends each row's own keys, a decoder also serves later calls of as many
+rows whose prompts are narrower than its cache: a new one is made when the prompts outgrow it.
 """
 
 from __future__ import annotations
@@ -124,6 +124,12 @@ def _own_weights_bytes(model, stacked: bool) -> int:
     return sum(p.nbytes for p in weights.values())
 
 
+def _weight_bytes(model, own: bool) -> int:
+    """Bytes of a new decoder's weights: its stacked q/k/v, and its own copy of the rest if it keeps one."""
+    stacked = _stacked_qkv_bytes(models.text_model(model).layers)
+    return stacked + (_own_weights_bytes(model, stacked > 0) if own else 0)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -168,6 +174,12 @@ class _Decoder:
         self.out_logp = torch.zeros(rows, max_tokens, device=device, dtype=torch.float32)
         self.finished = torch.zeros(rows, device=device, dtype=torch.bool)
         self.graph = None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of its stacked q/k/v and its own copy of the weights (_weight_bytes)."""
+        stacked = sum(w.nbytes + (0 if b is None else b.nbytes) for w, b in self.qkv or [])
+        return stacked + sum(t.nbytes for t in self.own.values())
 
     def serves(self, width: int) -> bool:
         """Whether a call needing a cache `width` wide can run on this decoder: as wide, or narrower where
@@ -286,6 +298,7 @@ class StaticEngine(HFEngine):
         self.cuda_graph = cuda_graph and model.device.type == "cuda"
         self._decoder: _Decoder | None = None
         self._key = None
+        self._own = False  # this call's decoder keeps its own copy of the weights (generate decides)
         self.decoders = 0  # decoders built so far
         self.captures = 0  # CUDA graphs recorded so far
 
@@ -293,23 +306,27 @@ class StaticEngine(HFEngine):
         """As HFEngine.generate, with at most the rows whose static cache fits the free memory per call
         (in equal parts): a validation of every item at once beside a segment's training state."""
         rows = min(batch_size, len(prompts))
-        fit = self._rows_that_fit(prompts.input_ids.shape[1], params.max_tokens)
+        width, self._own = prompts.input_ids.shape[1], self.own_weights
+        fit = self._rows_that_fit(width, params.max_tokens, self._own)
+        if self._own and fit < rows:  # the copy only where every row fits beside it (it pays off across calls)
+            self._own = False
+            fit = self._rows_that_fit(width, params.max_tokens, False)
+            log.info("static engine: the decoder reads the gathered weights where they are (%d rows do not fit "
+                     "beside a copy of them); its step is captured for each call", rows)
         if fit < rows:
             rows = math.ceil(rows / math.ceil(rows / fit))
             log.info("static engine: %d rows per call (%d rows' cache does not fit the free memory)", rows, min(batch_size, len(prompts)))
         return super().generate(prompts, keys, params, rows, progress)
 
-    def _rows_that_fit(self, prompt_width: int, max_tokens: int) -> int:
+    def _rows_that_fit(self, prompt_width: int, max_tokens: int, own: bool) -> int:
         """Rows a decoder may hold in the memory free now (its cache, output buffers and sampling
-        work space), beside the prefill's working set and its stacked q/k/v weights."""
+        work space), beside the prefill's working set and its weights (own: with its own copy)."""
         free = free_bytes(self.model.device)
         if free is None:
             return 1 << 62
-        if self._decoder is not None:  # freed before a new decoder is made (its weights as large as the next's)
-            free += self._decoder.k.nbytes + self._decoder.v.nbytes
-        else:
-            stacked = _stacked_qkv_bytes(models.text_model(self.model).layers)
-            free -= stacked + (_own_weights_bytes(self.model, stacked > 0) if self.own_weights else 0)
+        if self._decoder is not None:  # freed before a new decoder is made
+            free += self._decoder.k.nbytes + self._decoder.v.nbytes + self._decoder.weight_bytes
+        free -= _weight_bytes(self.model, own)
         text = models.text_model(self.model).config
         dtype, vocab = self.model.dtype, self.model.lm_head.weight.shape[0]
         per_row = models.kv_cache_bytes(text, dtype, 1, _cache_width(prompt_width, max_tokens)) + 4 * vocab * 4 + max_tokens * 16
@@ -319,8 +336,8 @@ class StaticEngine(HFEngine):
 
     @property
     def own_weights(self) -> bool:
-        """Whether a decoder keeps its own copy of the weights its step reads: where the model is sharded
-        (FSDP2 gathers it afresh for each rollout, to new places)."""
+        """Whether decoders keep their own copy of the weights their step reads (where a call's rows fit
+        beside it): where the model is sharded (FSDP2 gathers it afresh for each rollout, to new places)."""
         return distributed.is_sharded(self.model)
 
     def _weight_addresses(self) -> tuple[int, ...]:
@@ -332,7 +349,7 @@ class StaticEngine(HFEngine):
         """The decoder for `rows` rows and a cache `width` wide (or wider, where its step attends each
         row's own keys), with the model's current weights loaded in it (copied once a call: a new
         decoder's capture reads them)."""
-        own = self.own_weights
+        own = self._own
         key = (rows, params, None if own else self._weight_addresses())
         if key == self._key and self._decoder.serves(width):
             self._decoder.load_weights()

@@ -328,7 +328,7 @@ def test_a_decoder_with_its_own_weights_outlives_their_moves_and_serves_narrower
     """Where the model is sharded (FSDP2 gathers it afresh for each rollout, to new places), the decoder
     keeps its own copy of the weights its step reads: it is kept while they move and change, with the
     hf engine's tokens. Its step attending each row's own keys, it also serves prompts narrower than its
-    cache: one decoder (one capture on a GPU) for a segment's steps."""
+    cache: no new decoder (nor capture on a GPU) until a call's prompts outgrow it."""
     from vlgrpo.rollout.static import StaticEngine, _cache_width, _Decoder, _weight_bytes
 
     monkeypatch.setattr(StaticEngine, "own_weights", property(lambda self: True))  # as under FSDP2

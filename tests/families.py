@@ -134,11 +134,17 @@ def check_logprobs_and_engines(trainer, model_type: str, prompts):
     if family.serves("worker.rollout.engine"):
         greedy = SamplingParams(0.0, 1.0, 12)
         hf = HFEngine(trainer.policy, trainer.processor).generate(prompts, keys, greedy, len(prompts))
-        for decode in (contextlib.nullcontext(), own_keys_decode()):  # the whole cache under a mask; each row's own keys
-            with decode:
-                static = StaticEngine(trainer.policy, trainer.processor, cuda_graph=False).generate(prompts, keys, greedy, len(prompts))
-            assert torch.equal(static.responses, hf.responses)
-            assert torch.allclose(static.logp, hf.logp, atol=1e-5)
+        class Copying(StaticEngine):  # its decoder keeps its own copy of the weights, as under FSDP2
+            own_weights = True
+
+        # the whole cache under a mask; each row's own keys; these with the decoder's copy of the weights
+        for decode, engine in ((contextlib.nullcontext, StaticEngine), (own_keys_decode, StaticEngine), (own_keys_decode, Copying)):
+            with decode():
+                static = engine(trainer.policy, trainer.processor, cuda_graph=False)
+                generated = static.generate(prompts, keys, greedy, len(prompts))
+            assert bool(static._decoder.own) == (engine is Copying)
+            assert torch.equal(generated.responses, hf.responses)
+            assert torch.allclose(generated.logp, hf.logp, atol=1e-5)
     return out, plain
 
 

@@ -18,6 +18,7 @@
 #             a writable bytecode cache (PYTHONPYCACHEPREFIX): whether the host compiles at each start
 #   torchrun1 the 80 GB bench without the validation, 3 steps, in one process and under torchrun as one
 #             FSDP2 rank, one after the other (bench_torchrun1_<card>_{single,fsdp}.json)
+#   rope      the 80 GB bench with its validation, model.fused_vision_rope off then on (bench_rope_<card>_{false,true}.json)
 #   segments  scripts/bench_segments.py: 2 segments of $SEGMENT_STEPS (default 3) steps under torchrun, the 80 GB
 #             settings (bench_segments_torchrun1_<card>.json)
 # On an H200, scripts/cap_gpu_memory holds every vlgrpo process to 78 GiB (an 80 GB card's share).
@@ -46,7 +47,7 @@ for part in "$@"; do
         gputests)
             python3 -c "import torch.nn.attention.varlen as v, inspect; print('varlen_attn', inspect.signature(v.varlen_attn))"
             timeout -s ABRT 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_fast_paths.py \
-                tests/test_decode_attention.py -k cuda 2>&1 | tail -8 ;;
+                tests/test_decode_attention.py tests/test_vision_rope.py -k cuda 2>&1 | tail -8 ;;
         step)
             timeout -s ABRT 400 python3 -m vlgrpo.cli bench --config configs/bench_h100.yaml --warmup 1 --steps 2 \
                 --plain-steps 0 --profile --out "$OUT/bench_h100_$tag.json" 2>&1 | quiet | tail -30
@@ -61,6 +62,11 @@ for part in "$@"; do
                 src=$PWD/src; [[ $code == prev ]] && src=$PWD/.benchdata/prev/src
                 PYTHONPATH=/tmp/site:$src timeout -s ABRT 300 python3 -m vlgrpo.cli bench --config configs/bench_h100.yaml \
                     --warmup 1 --steps 2 --plain-steps 0 --out "$OUT/bench_h100_${tag}_$code.json" 2>&1 | quiet | tail -14
+            done ;;
+        rope)
+            for rope in false true; do
+                timeout -s ABRT 280 python3 -m vlgrpo.cli bench --config configs/bench_h100.yaml --warmup 1 --steps 2 \
+                    --plain-steps 0 --set model.fused_vision_rope=$rope --out "$OUT/bench_rope_${tag}_$rope.json" 2>&1 | quiet | tail -6
             done ;;
         decode)
             timeout -s ABRT 200 python3 scripts/bench_decode_attention.py --out "$OUT/decode_attention_$tag.json" 2>&1 | tail -8 ;;
@@ -80,7 +86,7 @@ for part in "$@"; do
                 --set model.gradient_checkpointing=true --set worker.actor.micro_batch_size_per_device_for_update=32 \
                 --out "$OUT/bench_segments_torchrun1_$tag.json" 2>&1 | quiet | tail -20
             grep -h -A25 "in-process validation of step" /tmp/vlgrpo_bench_segments/results/bench_segments/logs/train_*.log | tail -40 ;;
-        *) echo "unknown part $part (gputests, step, h200, torchrun1, ab, decode, startup, segments)"; exit 2 ;;
+        *) echo "unknown part $part (gputests, step, h200, rope, torchrun1, ab, decode, startup, segments)"; exit 2 ;;
     esac
 done
 echo "== done in $(( $(date +%s) - start )) s"

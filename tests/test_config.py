@@ -57,6 +57,7 @@ def test_seed_recipe_values():
 
 AUTO = {  # what each fast path is on CUDA
     "model.packed_vision_attention": True, "model.fused_rms_norm": True, "model.aligned_vision_mlp": True,
+    "model.fused_vision_rope": True,
     "model.cudnn_attention": False, "worker.actor.dynamic_batching": True, "worker.actor.prefix_sharing": True,
     "worker.actor.logprobs_chunk_size": 4096, "worker.actor.old_logprobs_from_update": True,
     "worker.rollout.engine": "static",

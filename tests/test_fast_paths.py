@@ -191,7 +191,7 @@ def test_packed_vision_attention_equals_per_window(trainer):
     torch.manual_seed(0)
     pixels = torch.randn(int(grid.prod(-1).sum()), vision.in_channels * vision.temporal_patch_size * vision.patch_size**2)
     cfg = {"packed_vision_attention": False, "attn_implementation": "sdpa", "gradient_checkpointing": False, "fused_rms_norm": False,
-           "aligned_vision_mlp": False, "cudnn_attention": True}
+           "aligned_vision_mlp": False, "fused_vision_rope": False, "cudnn_attention": True}
     with torch.no_grad():
         loop = torch.cat(model.model.get_image_features(pixels, grid).pooler_output)
         prepare_model(model, {**cfg, "packed_vision_attention": True}, torch.device("cpu"), trainable=False)

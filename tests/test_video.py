@@ -222,7 +222,7 @@ def test_fast_path_logprobs_equal_plain_on_a_video_batch(trainer):
                                  ForwardOptions(prefix_sharing=True, logprobs_chunk_size=7))
         packed_model = copy.deepcopy(trainer.policy)
         cfg = {**trainer.cfg["model"], "packed_vision_attention": True, "fused_rms_norm": False, "aligned_vision_mlp": False,
-               "cudnn_attention": False, "attn_implementation": "sdpa"}
+               "fused_vision_rope": False, "cudnn_attention": False, "attn_implementation": "sdpa"}
         prepare_model(packed_model, cfg, torch.device("cpu"), trainable=False)
         packed = response_logprobs(packed_model, prompts, out.responses, out.response_mask, 0.7, ForwardOptions(prefix_sharing=True))
     assert (fast - plain).abs().max() < 1e-5, (fast - plain).abs().max()

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
-from vlgrpo import attention, distributed, lora, models
+from vlgrpo import attention, distributed, lora, models, vision_rope
 from vlgrpo.attention import PACKED_VISION_ATTENTION, PREFIX_ROWS_ATTENTION, PrefixRows, VarlenPrefixRows, whole_row_mask
 from vlgrpo.batch import PromptBatch, to_device
 from vlgrpo.config import NO_CUDA, ConfigError
@@ -123,6 +123,23 @@ def set_aligned_vision_mlp(model, aligned: bool) -> None:
                 module.__dict__.pop("forward", None)
 
 
+def set_fused_vision_rope(model, fused: bool) -> None:
+    """Run the vision tower's attention modules (qkv, proj, num_heads) through
+    vision_rope.fused_rope_attention, which rotates q and k in one Triton kernel, where the kernel serves
+    the tower's device and dtype (it says once why where it does not); else as the model defines them."""
+    tower = models.vision_tower(model)
+    if tower is None:
+        return
+    param = next(tower.parameters())
+    serves = fused and vision_rope.serves(param.device.type, param.dtype)
+    for module in tower.modules():
+        if type(module).__name__.endswith("VisionAttention") and all(hasattr(module, n) for n in ("qkv", "proj", "num_heads")):
+            if serves:
+                module.forward = types.MethodType(vision_rope.fused_rope_attention, module)
+            else:
+                module.__dict__.pop("forward", None)
+
+
 def prepare_model(model, model_cfg: dict, device: torch.device, trainable: bool):
     """Move to `device` in eval mode and apply the model settings (also to an in-memory model).
 
@@ -143,6 +160,7 @@ def prepare_model(model, model_cfg: dict, device: torch.device, trainable: bool)
     models.text_model(model).config._attn_implementation = PREFIX_ROWS_ATTENTION if packed_rows else model_cfg["attn_implementation"]
     set_fused_rms_norm(model, model_cfg["fused_rms_norm"])
     set_aligned_vision_mlp(model, model_cfg["aligned_vision_mlp"])
+    set_fused_vision_rope(model, model_cfg["fused_vision_rope"])
     if device.type == "cuda":  # process-wide (a torch switch); the static engine's captured decode step keeps cuDNN
         torch.backends.cuda.enable_cudnn_sdp(model_cfg["cudnn_attention"])
     if trainable:

@@ -18,7 +18,8 @@
 #             a writable bytecode cache (PYTHONPYCACHEPREFIX): whether the host compiles at each start
 #   torchrun1 the 80 GB bench without the validation, 3 steps, in one process and under torchrun as one
 #             FSDP2 rank, one after the other (bench_torchrun1_<card>_{single,fsdp}.json)
-#   rope      the 80 GB bench with its validation, model.fused_vision_rope off then on (bench_rope_<card>_{false,true}.json)
+#   rope      the 80 GB bench with its validation, model.fused_vision_rope off, then on and profiled
+#             (bench_rope_<card>_{false,true}.json)
 #   segments  scripts/bench_segments.py: 2 segments of $SEGMENT_STEPS (default 3) steps under torchrun, the 80 GB
 #             settings (bench_segments_torchrun1_<card>.json)
 # On an H200, scripts/cap_gpu_memory holds every vlgrpo process to 78 GiB (an 80 GB card's share).
@@ -65,9 +66,11 @@ for part in "$@"; do
             done ;;
         rope)
             for rope in false true; do
+                profile=(); [[ $rope == true ]] && profile=(--profile)
                 timeout -s ABRT 280 python3 -m vlgrpo.cli bench --config configs/bench_h100.yaml --warmup 1 --steps 2 \
-                    --plain-steps 0 --set model.fused_vision_rope=$rope --out "$OUT/bench_rope_${tag}_$rope.json" 2>&1 | quiet | tail -6
-            done ;;
+                    --plain-steps 0 --set model.fused_vision_rope=$rope "${profile[@]}" --out "$OUT/bench_rope_${tag}_$rope.json" 2>&1 | quiet | tail -6
+            done
+            head -30 "$OUT/bench_rope_${tag}_true.eval.profile.txt" 2>/dev/null ;;
         decode)
             timeout -s ABRT 200 python3 scripts/bench_decode_attention.py --out "$OUT/decode_attention_$tag.json" 2>&1 | tail -8 ;;
         startup)

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 # (patches, heads, head_dim): Qwen2(.5)-VL's 80 (not a power of two), Qwen3-VL's 72, and 64;
 # patch counts on and off the kernel's 16-patch blocks
 SHAPES = [(37, 3, 80), (20, 2, 72), (16, 4, 64)]
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"]  # every family with a tower
 
 
 def rope_case(shape, device, dtype, seed=0):
@@ -106,7 +106,7 @@ print(json.dumps(report))
 """
 
 
-@needs_shared("qwen2_vl_2b", "qwen2_5_vl_7b", "qwen3_vl_4b")
+@needs_shared("qwen2_vl_2b", "qwen2_5_vl_7b", "qwen3_vl_4b", "qwen3_5_0_8b")
 def test_the_kernel_rotates_as_transformers_to_the_bit_under_the_interpreter(tmp_path):
     done = subprocess.run([sys.executable, "-c", CHILD, str(Path(__file__).parent), str(tmp_path)],
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
@@ -135,7 +135,7 @@ def test_the_towers_rotate_as_transformers_does_where_the_kernel_does_not_serve(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@needs_shared("qwen2_vl_2b", "qwen2_5_vl_7b", "qwen3_vl_4b")
+@needs_shared("qwen2_vl_2b", "qwen2_5_vl_7b", "qwen3_vl_4b", "qwen3_5_0_8b")
 def test_the_kernel_rotates_as_transformers_to_the_bit_on_cuda(tmp_path):
     """bf16, compiled: the seed tower's shape (16 heads of 80) at ~0.1 M patches, and the tiny towers."""
     for shape in SHAPES + [(100_003, 16, 80)]:

@@ -20,6 +20,7 @@
 #             FSDP2 rank, one after the other (bench_torchrun1_<card>_{single,fsdp}.json)
 #   rope      the 80 GB bench with its validation, model.fused_vision_rope off, then on and profiled
 #             (bench_rope_<card>_{false,true}.json)
+#   disk      10 GiB written and fsynced by 1 and by 8 writers, then removed: what a checkpoint's save can reach
 #   segments  scripts/bench_segments.py: 2 segments of $SEGMENT_STEPS (default 3) steps under torchrun, the 80 GB
 #             settings (bench_segments_torchrun1_<card>.json)
 # On an H200, scripts/cap_gpu_memory holds every vlgrpo process to 78 GiB (an 80 GB card's share).
@@ -71,6 +72,14 @@ for part in "$@"; do
                     --plain-steps 0 --set model.fused_vision_rope=$rope "${profile[@]}" --out "$OUT/bench_rope_${tag}_$rope.json" 2>&1 | quiet | tail -6
             done
             head -30 "$OUT/bench_rope_${tag}_true.eval.profile.txt" 2>/dev/null ;;
+        disk)
+            df -h /tmp | tail -1
+            for writers in 1 8; do
+                t=$EPOCHREALTIME
+                for i in $(seq $writers); do dd if=/dev/zero of=/tmp/dd_$i bs=64M count=$((160 / writers)) conv=fsync status=none & done; wait
+                echo "disk: 10 GiB by $writers writers, fsynced: $(awk "BEGIN {print $EPOCHREALTIME - $t}") s"
+                t=$EPOCHREALTIME; rm -f /tmp/dd_*; sync; echo "disk: removed in $(awk "BEGIN {print $EPOCHREALTIME - $t}") s"
+            done ;;
         decode)
             timeout -s ABRT 200 python3 scripts/bench_decode_attention.py --out "$OUT/decode_attention_$tag.json" 2>&1 | tail -8 ;;
         startup)
@@ -89,7 +98,7 @@ for part in "$@"; do
                 --set model.gradient_checkpointing=true --set worker.actor.micro_batch_size_per_device_for_update=32 \
                 --out "$OUT/bench_segments_torchrun1_$tag.json" 2>&1 | quiet | tail -20
             grep -h -A25 "in-process validation of step" /tmp/vlgrpo_bench_segments/results/bench_segments/logs/train_*.log | tail -40 ;;
-        *) echo "unknown part $part (gputests, step, h200, rope, torchrun1, ab, decode, startup, segments)"; exit 2 ;;
+        *) echo "unknown part $part (gputests, step, h200, rope, disk, torchrun1, ab, decode, startup, segments)"; exit 2 ;;
     esac
 done
 echo "== done in $(( $(date +%s) - start )) s"

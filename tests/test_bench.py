@@ -64,13 +64,26 @@ def test_the_profile_summary_puts_each_kernel_in_the_phase_that_launched_it():
         {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1.7e6, "dur": 5.0, "args": {"correlation": 3}},
         {"cat": "kernel", "name": "gemm", "ts": 1.8e6, "dur": 2.5e5, "args": {"correlation": 3}},
     ]
+    events += [  # the operators around the launches: each kernel counts for the innermost on its thread
+        {"cat": "cpu_op", "name": "aten::linear", "ts": 8e5, "dur": 2e5, "tid": 1},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 9e5 - 1, "dur": 10.0, "tid": 1},
+        {"cat": "cpu_op", "name": "aten::softmax", "ts": 1.5e6 - 1, "dur": 0.5, "tid": 1},  # ended before the launch
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 1.5e6 - 9, "dur": 1.0, "tid": 2},  # another thread's
+        {"cat": "cpu_op", "name": "aten::_softmax", "ts": 1.5e6 - 5, "dur": 20.0, "tid": 1},
+    ]
+    for e in events[3:]:
+        e.setdefault("tid", 1)
     lines = bench.profile_summary(events).splitlines()
     rows = {line.split()[0]: [float(x.rstrip("%")) for x in line.split()[1:]] for line in lines[1:3]}
     assert rows["old"] == [1.0, 0.5, 50.0, 1.0, 1e6]  # wall s, gpu s, busy %, kernels, us per launch
     assert rows["ref"] == [2.0, 0.5, 25.0, 2.0, 1e6]
     assert "encode" not in rows
-    ref_top = lines[lines.index("ref: costliest kernels (s)") + 1 :]
-    assert [line.split() for line in ref_top] == [["0.250", "softmax"], ["0.250", "gemm"]]  # ties in launch order
+    ref_kernels = lines[lines.index("ref: costliest kernels (s)") + 1: lines.index("ref: costliest operators (s)") - 1]
+    assert [line.split() for line in ref_kernels] == [["0.250", "softmax"], ["0.250", "gemm"]]  # ties in launch order
+    assert [line.split() for line in lines[lines.index("ref: costliest operators (s)") + 1:]] == [
+        ["0.250", "aten::_softmax"], ["0.250", "(no", "operator)"]]
+    old_ops = lines[lines.index("old: costliest operators (s)") + 1]
+    assert old_ops.split() == ["0.500", "aten::mm"]  # within aten::linear, the innermost
 
 
 def test_a_nested_phase_takes_its_kernels_from_the_outer_one_and_sums_its_ranges():

@@ -172,16 +172,20 @@ def profiled(device: torch.device, out: Path, phases: tuple[str, ...] = PHASES):
 
 def profile_summary(events: list[dict], phases: tuple[str, ...] = PHASES, top: int = 8) -> str:
     """Per phase (a record_function range named in `phases`): wall s, GPU kernel s, busy fraction, kernels launched and the
-    host time per launch; then each phase's costliest kernels. events: a Chrome trace's traceEvents.
+    host time per launch; then each phase's costliest kernels, and its costliest operators by the GPU time
+    of the kernels they launched (which `aten::mul` a generic elementwise kernel was). events: a Chrome
+    trace's traceEvents.
 
     A kernel belongs to the innermost phase whose range holds the host call that launched it (matched by
     the trace's correlation ids), so work queued in one phase and run in the next counts where it was
-    queued, and a phase nested in another (vision within prefill) is not counted in it.
+    queued, and a phase nested in another (vision within prefill) is not counted in it; and to the
+    innermost operator (cpu_op) around that call on its thread.
     """
     ranges = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                     if e.get("cat") == "user_annotation" and e.get("name") in phases)
-    launched_at = {e["args"]["correlation"]: e["ts"] for e in events
-                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})]
+    launched_at = {e["args"]["correlation"]: e["ts"] for e in runtime}
+    operator = _launching_operators(events, runtime)
 
     def phase_of(ts):  # the innermost range holding ts
         inner = None
@@ -190,15 +194,18 @@ def profile_summary(events: list[dict], phases: tuple[str, ...] = PHASES, top: i
                 inner = name
         return inner
 
-    gpu, launches, kernels = defaultdict(float), defaultdict(int), defaultdict(lambda: defaultdict(float))
+    gpu, launches = defaultdict(float), defaultdict(int)
+    kernels, operators = defaultdict(lambda: defaultdict(float)), defaultdict(lambda: defaultdict(float))
     for e in events:
         if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
-        phase = phase_of(launched_at.get(e.get("args", {}).get("correlation"), -1.0))
+        correlation = e.get("args", {}).get("correlation")
+        phase = phase_of(launched_at.get(correlation, -1.0))
         if phase is not None:
             gpu[phase] += e["dur"] / 1e6
             launches[phase] += 1
             kernels[phase][e["name"][:90]] += e["dur"] / 1e6
+            operators[phase][operator.get(correlation, "(no operator)")] += e["dur"] / 1e6
     walls = {}  # a phase's ranges (the vision tower's, once per prefill forward) summed, in order of first start
     for start, end, name in ranges:
         walls[name] = walls.get(name, 0.0) + (end - start) / 1e6
@@ -207,10 +214,33 @@ def profile_summary(events: list[dict], phases: tuple[str, ...] = PHASES, top: i
         per_launch = wall * 1e6 / launches[name] if launches[name] else 0.0
         lines.append(f"{name:<16}{wall:>10.3f}{gpu[name]:>15.3f}{gpu[name] / wall if wall else 0:>10.0%}{launches[name]:>10}{per_launch:>11.1f}")
     for name in walls:
-        if kernels[name]:
-            lines += ["", f"{name}: costliest kernels (s)"]
-            lines += [f"{t:>10.3f}  {k}" for k, t in sorted(kernels[name].items(), key=lambda kv: -kv[1])[:top]]
+        for title, costs in (("kernels", kernels[name]), ("operators", operators[name])):
+            if costs:
+                lines += ["", f"{name}: costliest {title} (s)"]
+                lines += [f"{t:>10.3f}  {k}" for k, t in sorted(costs.items(), key=lambda kv: -kv[1])[:top]]
     return "\n".join(lines) + "\n"
+
+
+def _launching_operators(events: list[dict], launches: list[dict]) -> dict:
+    """correlation id -> the name of the innermost operator (cpu_op) around the launch of that id on its thread."""
+    by_thread = defaultdict(list)  # tid -> (time, order, event): operators open before launches at the same time
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            by_thread[e.get("tid")].append((e["ts"], 0, e))
+    for e in launches:
+        by_thread[e.get("tid")].append((e["ts"], 1, e))
+    out = {}
+    for timeline in by_thread.values():
+        timeline.sort(key=lambda item: (item[0], item[1], -item[2].get("dur", 0)))
+        open_ops = []  # (end, name), innermost last
+        for ts, kind, e in timeline:
+            while open_ops and open_ops[-1][0] < ts:
+                open_ops.pop()
+            if kind == 0:
+                open_ops.append((ts + e["dur"], e["name"]))
+            elif open_ops:
+                out[e["args"]["correlation"]] = open_ops[-1][1]
+    return out
 
 
 def timed_step(trainer: GRPOTrainer, step: int, device: torch.device) -> tuple[dict, float]:

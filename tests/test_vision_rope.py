@@ -117,6 +117,24 @@ def test_the_kernel_rotates_as_transformers_to_the_bit_under_the_interpreter(tmp
     assert report["towers"] == [[f, p, 2, True, True, True] for f in FAMILIES for p in ((False, True) if f == "qwen2_5_vl" else (False,))]
 
 
+def test_the_kernel_compiles_for_an_h100_without_fused_multiply_adds():
+    """Compiled for sm_90 ahead of time, as a GPU would (the interpreter runs what the compiler may reject):
+    its float32 products and sums stay separate instructions, each rounded, as PyTorch's kernels round them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from vlgrpo import vision_rope
+
+    pointers = {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16"}
+    sizes = dict.fromkeys(["patches", "heads", "x_row", "x_part", "x_head", "out_row", "out_part", "out_head", "cs_row"], "i32")
+    for backward in (False, True):
+        constants = {"D": 80, "BLOCK_D": 128, "BLOCK_S": vision_rope.BLOCK_S, "BACKWARD": backward}
+        source = triton.compiler.ASTSource(fn=vision_rope._rope_kernel, signature=pointers | sizes | dict.fromkeys(constants, "constexpr"),
+                                           constexprs=constants)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
+        assert compiled.asm["cubin"] and "mul.rn.f32" in compiled.asm["ptx"] and "fma.rn.f32" not in compiled.asm["ptx"], backward
+
+
 @needs_shared("qwen2_5_vl_7b")
 def test_the_towers_rotate_as_transformers_does_where_the_kernel_does_not_serve(tmp_path):
     """On the CPU (no interpreter) the switch binds nothing, and leaves nothing bound."""

@@ -23,7 +23,6 @@ from qwen_vl_utils import smart_resize as qwen_vl_utils_smart_resize
 from transformers import AutoProcessor
 
 from vlgrpo.config import validate
-from vlgrpo.data import sources
 from vlgrpo.data.filtering import filter_split, load_filtered
 from vlgrpo.data.images import (
     ResizeMismatchError,

@@ -3,7 +3,6 @@ structs and paths under data.image_dir; text-only rows) filters to the same prom
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import re
@@ -27,7 +26,6 @@ from vlgrpo.demo.perception import region_targets, warm_up_vision
 from vlgrpo.demo.processor import CHAT_TEMPLATE, SPECIAL_TOKENS, build_processor, build_tokenizer, train_bpe
 from vlgrpo.demo.responses import COUNT_WEIGHTS, warmup_response
 from vlgrpo.demo.task import QUESTIONS, SPLITS, best_constant_accuracy, make_rows
-from vlgrpo.demo.warmup import warm_up
 from vlgrpo.rewards import r1v
 from vlgrpo.rewards import math as math_reward
 from vlgrpo.rollout import SamplingParams
@@ -246,13 +244,6 @@ def test_perception_warmup_makes_the_image_tokens_carry_the_figure(tmp_path):
     after = count_r2(model, processor, images, counts)
     assert stats["loss_final"] < stats["loss_first"]
     assert before < 0.6 and after > 0.85, (before, after)
-
-
-def count_share_of_variance(hidden: torch.Tensor, counts: torch.Tensor) -> float:
-    """Share of the variance of hidden (N, H) that the triangle count (N,) explains (between-count / total)."""
-    mean = hidden.mean(0)
-    between = torch.stack([hidden[counts == k].mean(0) for k in counts.tolist()])  # (N, H): each row's count mean
-    return float(((between - mean) ** 2).sum() / ((hidden - mean) ** 2).sum())
 
 
 # ---------------------------------------------------------------------------------------------

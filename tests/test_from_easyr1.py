@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vlgrpo import config, from_easyr1
+from vlgrpo import config
 from vlgrpo.from_easyr1 import RULES, convert, parse_override, render
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from vlgrpo import locks, paths
+from vlgrpo import locks
 
 
 @pytest.fixture

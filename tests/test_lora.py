@@ -11,7 +11,7 @@ from conftest import make_experiment
 from vlgrpo import config, evaluate, lora, models, paths
 from vlgrpo.attention import PREFIX_ROWS_ATTENTION
 from vlgrpo.checkpoint import CheckpointStore
-from vlgrpo.policy import load_model, load_pretrained, response_logprobs
+from vlgrpo.policy import load_model, response_logprobs
 from vlgrpo.rollout import SamplingParams, make_engine
 from vlgrpo.rollout.sampling import sample_key
 from vlgrpo.trainer import GRPOTrainer, run_segment

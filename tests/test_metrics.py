@@ -3,7 +3,6 @@ real segment + validation of the demo against the keys of the seed EasyR1 run's 
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch

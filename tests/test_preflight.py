@@ -1,7 +1,6 @@
 """Mistakes stop a run before any job, with one line; a job that fails on a user error fails once;
 small input problems say what they are (issue 28, items 7 and 8)."""
 
-import json
 import os
 import subprocess
 import sys

@@ -1,6 +1,5 @@
 """The GRPO step on the tiny demo model: log-prob consistency, update direction, micro-batch exactness."""
 
-import copy
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from vlgrpo import grpo
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.prompts import encode_prompts, render_prompt
 from vlgrpo.policy import response_logprobs
-from vlgrpo.rollout import Rollout, SamplingParams
+from vlgrpo.rollout import SamplingParams
 from vlgrpo.rollout.sampling import sample_key
 from vlgrpo.trainer import GRPOTrainer
 

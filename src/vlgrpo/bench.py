@@ -39,7 +39,7 @@ import transformers
 from transformers import AutoConfig
 
 from vlgrpo import config as config_lib
-from vlgrpo import distributed, evaluate, metrics, models, paths
+from vlgrpo import distributed, metrics, models, paths
 from vlgrpo.batch import PromptBatch
 from vlgrpo.data.filtering import filter_split, load_filtered
 from vlgrpo.data.prompts import encode_prompts

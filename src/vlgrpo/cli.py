@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 import psutil
-import yaml
 
 from vlgrpo import config as config_lib
 from vlgrpo import clock, console, failures, locks, paths

@@ -390,6 +390,36 @@ def test_a_decoder_keeps_no_copy_of_the_weights_where_the_rows_do_not_fit_beside
     assert torch.equal(out.responses, hf.responses) and (out.logp - hf.logp).abs().max() < 1e-5
 
 
+def test_a_decoder_makes_room_for_the_longest_prompt_to_come(trainer, monkeypatch):
+    """Told the longest prompt later calls bring (the trainer's longest filtered prompt), a decoder whose
+    step attends each row's own keys gets a cache that wide at once: a later call with that prompt runs on
+    it (no new decoder, nor capture on a GPU), with the hf engine's tokens. Where the rows fit in one call
+    only without the room, or where the step attends under a mask, the cache is the call's own width."""
+    from vlgrpo.rollout.static import StaticEngine, _cache_width
+
+    wide_rows = [{**row, "problem": row["problem"] + " Look closely." * 60} for row in trainer.rows[:1]]
+    wide_rows = [{**row, "prompt": render_prompt(trainer.processor, row["problem"], "r1v")} for row in wide_rows]
+    wide = PromptBatch.from_processor(encode_prompts(trainer.processor, wide_rows), [1]).repeat_interleave(6)
+    narrow = samples(trainer, n=2)  # 6 rows too
+    widest, own_width = wide.input_ids.shape[1], _cache_width(narrow.input_ids.shape[1], 12)
+    assert _cache_width(widest, 12) > own_width
+    with own_keys_decode():
+        static = make_engine("static", trainer.policy, trainer.processor, widest_prompt=widest)
+        rollout(trainer, narrow, 1.0, max_tokens=12, engine=static)
+        assert static._decoder.mask.shape == (6, _cache_width(widest, 12))
+        out = rollout(trainer, wide, 1.0, max_tokens=12, engine=static)
+        assert static.decoders == 1
+        hf = rollout(trainer, wide, 1.0, max_tokens=12)
+        assert torch.equal(out.responses, hf.responses) and (out.logp - hf.logp).abs().max() < 1e-5
+        monkeypatch.setattr(StaticEngine, "_rows_that_fit", lambda self, width, max_tokens, own: 6 if width < widest else 3)
+        tight = make_engine("static", trainer.policy, trainer.processor, widest_prompt=widest)
+        rollout(trainer, narrow, 1.0, max_tokens=12, engine=tight)
+        assert tight._decoder.mask.shape == (6, own_width)  # every row in one call, without the room
+    masked = make_engine("static", trainer.policy, trainer.processor, widest_prompt=widest)
+    rollout(trainer, narrow, 1.0, max_tokens=12, engine=masked)  # on the CPU the step attends under a mask
+    assert masked._decoder.mask.shape == (6, own_width)
+
+
 def test_dynamic_micro_batches_respect_the_token_budget(trainer):
     prompts = samples(trainer, n=4, count=3)
     rows = list(range(len(prompts)))
@@ -424,6 +454,7 @@ def test_a_fast_step_equals_the_plain_step(demo_base, tmp_path, checkpointing):
         t.load(0)
         records[name] = t.step(1)
     assert t.forward.prefix_sharing and not t.forward.packed
+    assert t.engine.widest_prompt == max(row["prompt_length"] for row in t.rows) > 0  # the static engine makes room for it
     assert t.update_forward.prefix_sharing and t.update_forward.packed is checkpointing
     # the packed rows are attended segment by segment (prepare_model's attention for checkpointed SDPA)
     assert models.text_model(t.policy).config._attn_implementation == (PREFIX_ROWS_ATTENTION if checkpointing else "sdpa")

@@ -412,7 +412,8 @@ FILTERED_COLUMNS = ("index", "images", "problem", "answer", "prompt")
 
 def load_filtered(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Rows of a parquet written by `filter_split`: index, prompt, images (PIL RGB), answer, problem,
-    videos (videos.video_spec strings; [] in a split filtered before videos were read).
+    prompt_length (tokens, images included), videos (videos.video_spec strings; [] in a split filtered
+    before videos were read).
 
     Images are opened lazily: each is decoded on first use; videos are fetched per batch
     (prompts.encode_prompts).
@@ -425,7 +426,7 @@ def load_filtered(path: str | os.PathLike) -> list[dict[str, Any]]:
     missing = [c for c in FILTERED_COLUMNS if c not in table.column_names]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing}; not written by filter_split?")
-    columns = list(FILTERED_COLUMNS) + (["videos"] if "videos" in table.column_names else [])
+    columns = list(FILTERED_COLUMNS) + [c for c in ("prompt_length", "videos") if c in table.column_names]
     rows = table.select(columns).to_pylist()
     for row in rows:
         row["images"] = [open_rgb(image["bytes"]) for image in row["images"]]

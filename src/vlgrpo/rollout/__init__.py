@@ -43,9 +43,10 @@ VLLM_INSTALL = (
 )
 
 
-def make_engine(name: str, model, processor, cuda_graph: bool = True, cfg: dict | None = None):
+def make_engine(name: str, model, processor, cuda_graph: bool = True, cfg: dict | None = None, widest_prompt: int = 0):
     """The rollout engine named by worker.rollout.engine (cuda_graph: worker.rollout.cuda_graph, static only;
-    cfg: the resolved config, which the vllm engine reads its settings from)."""
+    cfg: the resolved config, which the vllm engine reads its settings from; widest_prompt: the longest
+    prompt in tokens later calls will bring, which the static engine makes room for ahead)."""
     if name == "hf":
         from vlgrpo.rollout.hf import HFEngine
 
@@ -53,7 +54,7 @@ def make_engine(name: str, model, processor, cuda_graph: bool = True, cfg: dict 
     if name == "static":
         from vlgrpo.rollout.static import StaticEngine
 
-        return StaticEngine(model, processor, cuda_graph)
+        return StaticEngine(model, processor, cuda_graph, widest_prompt)
     if name == "vllm":
         try:
             import vllm  # noqa: F401

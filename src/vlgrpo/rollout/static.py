@@ -22,7 +22,10 @@ A captured step reads its weights where they were at the capture. A model sharde
 gathered afresh for each rollout, to new places: there the decoder keeps its own copy of the weights
 the step reads (loaded each call, where the call's rows fit beside it), so its graph outlives the
 gathering. Where the step attends each row's own keys, a decoder also serves later calls of as many
-rows whose prompts are narrower than its cache: a new one is made when the prompts outgrow it.
+rows whose prompts are narrower than its cache: a new one is made when the prompts outgrow it. Told the
+longest prompt to come (`widest_prompt`: the trainer's longest filtered prompt), a decoder's cache is
+made that wide at once, where every row still fits in one call: one capture for the training steps
+of a process.
 """
 
 from __future__ import annotations
@@ -162,7 +165,7 @@ class _Decoder:
         self.mask = torch.zeros(rows, width, device=device, dtype=torch.bool)  # keys a row may attend to
         # The kernel's keys for a row: the columns from its first real prompt token (prompts are left-padded,
         # right-aligned at the prompt width) to the token fed; per row and key/value head, as it takes them.
-        self.own_keys = decode_attention.serves(device.type, dtype, self.head_dim)
+        self.own_keys = _attends_own_keys(model)
         self.key_starts = torch.zeros(rows * self.kv_heads, device=device, dtype=torch.int32)
         self.prompt_keys = torch.zeros(rows * self.kv_heads, device=device, dtype=torch.int32)
         self.tokens = torch.zeros(rows, device=device, dtype=torch.long)  # the token fed at this step
@@ -292,13 +295,23 @@ class _Decoder:
                     break
 
 
+def _attends_own_keys(model) -> bool:
+    """Whether the decode step of `model` attends each row's own keys (the Triton kernel), so that a cache
+    wider than a call's prompts costs only its memory."""
+    return decode_attention.serves(model.device.type, model.dtype, models.head_dim(models.text_model(model).config))
+
+
 class StaticEngine(HFEngine):
-    def __init__(self, model, processor, cuda_graph: bool = True):
+    def __init__(self, model, processor, cuda_graph: bool = True, widest_prompt: int = 0):
+        """widest_prompt: the longest prompt (tokens) later calls will bring, 0 if not known: where the step
+        attends each row's own keys, a new decoder's cache is made wide enough for it."""
         super().__init__(model, processor)
         self.cuda_graph = cuda_graph and model.device.type == "cuda"
+        self.widest_prompt = widest_prompt
         self._decoder: _Decoder | None = None
         self._key = None
         self._own = False  # this call's decoder keeps its own copy of the weights (generate decides)
+        self._prompt_room = 0  # prompt tokens this call's cache makes room for, at least its prompts' (generate decides)
         self.decoders = 0  # decoders built so far
         self.captures = 0  # CUDA graphs recorded so far
 
@@ -307,7 +320,11 @@ class StaticEngine(HFEngine):
         (in equal parts): a validation of every item at once beside a segment's training state."""
         rows = min(batch_size, len(prompts))
         width, self._own = prompts.input_ids.shape[1], self.own_weights
-        fit = self._rows_that_fit(width, params.max_tokens, self._own)
+        self._prompt_room = max(width, self.widest_prompt) if _attends_own_keys(self.model) else width
+        fit = self._rows_that_fit(self._prompt_room, params.max_tokens, self._own)
+        if self._prompt_room > width and fit < rows:  # room for longer prompts only where every row fits with it
+            self._prompt_room = width
+            fit = self._rows_that_fit(width, params.max_tokens, self._own)
         if self._own and fit < rows:  # the copy only where every row fits beside it (it pays off across calls)
             self._own = False
             fit = self._rows_that_fit(width, params.max_tokens, False)
@@ -413,7 +430,7 @@ class StaticEngine(HFEngine):
 
     def _generate(self, sub: PromptBatch, keys, params: SamplingParams, progress):
         rows, width = sub.input_ids.shape
-        cache_width = _cache_width(width, params.max_tokens)
+        cache_width = _cache_width(max(width, self._prompt_room), params.max_tokens)
         dec = self._decoder_for(rows, cache_width, params)
         dec.mask.zero_()
         with torch.profiler.record_function("prefill"):  # a range the benchmark's validation profile reports (bench.EVAL_PHASES)

@@ -111,7 +111,7 @@ def check_logprobs_and_engines(trainer, model_type: str, prompts):
     from vlgrpo.rollout import SamplingParams
     from vlgrpo.rollout.hf import HFEngine
     from vlgrpo.rollout.sampling import sample_key
-    from vlgrpo.rollout.static import StaticEngine
+    from vlgrpo.rollout.static import WIDTH_BUCKET, StaticEngine, _cache_width
 
     family = models.family(model_type)
     keys = torch.tensor([sample_key(1, 1, i) for i in range(len(prompts))])
@@ -137,12 +137,17 @@ def check_logprobs_and_engines(trainer, model_type: str, prompts):
         class Copying(StaticEngine):  # its decoder keeps its own copy of the weights, as under FSDP2
             own_weights = True
 
-        # the whole cache under a mask; each row's own keys; these with the decoder's copy of the weights
+        # the whole cache under a mask; each row's own keys, in a cache with room for longer prompts; these
+        # with the decoder's copy of the weights
+        width = prompts.input_ids.shape[1]
+        room = width + WIDTH_BUCKET  # a longer prompt to come: a wider cache where the step attends each row's own keys
         for decode, engine in ((contextlib.nullcontext, StaticEngine), (own_keys_decode, StaticEngine), (own_keys_decode, Copying)):
             with decode():
-                static = engine(trainer.policy, trainer.processor, cuda_graph=False)
+                static = engine(trainer.policy, trainer.processor, cuda_graph=False, widest_prompt=room)
                 generated = static.generate(prompts, keys, greedy, len(prompts))
             assert bool(static._decoder.own) == (engine is Copying)
+            own_keys = decode is own_keys_decode
+            assert static._decoder.mask.shape[1] == _cache_width(room if own_keys else width, greedy.max_tokens)
             assert torch.equal(generated.responses, hf.responses)
             assert torch.allclose(generated.logp, hf.logp, atol=1e-5)
     return out, plain

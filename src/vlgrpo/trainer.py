@@ -210,7 +210,7 @@ class GRPOTrainer:
     def _make_engine(self) -> None:
         rollout = self.cfg["worker"]["rollout"]
         self.engine = make_engine(rollout["engine"], self.policy, self.processor, rollout["cuda_graph"], self.cfg,
-                                  widest_prompt=max((row.get("prompt_length", 0) for row in self.rows), default=0))
+                                  widest_prompt=max(row["prompt_length"] for row in self.rows))
 
     def load(self, step: int, base=None) -> None:
         """Policy, reference, optimizer and rollout engine, resumed from checkpoint `step` (0 = base)."""

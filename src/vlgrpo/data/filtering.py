@@ -407,7 +407,7 @@ def filter_split(
 # Reading the filtered split
 
 
-FILTERED_COLUMNS = ("index", "images", "problem", "answer", "prompt")
+FILTERED_COLUMNS = ("index", "images", "problem", "answer", "prompt", "prompt_length")
 
 
 def load_filtered(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -426,7 +426,7 @@ def load_filtered(path: str | os.PathLike) -> list[dict[str, Any]]:
     missing = [c for c in FILTERED_COLUMNS if c not in table.column_names]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing}; not written by filter_split?")
-    columns = list(FILTERED_COLUMNS) + [c for c in ("prompt_length", "videos") if c in table.column_names]
+    columns = list(FILTERED_COLUMNS) + (["videos"] if "videos" in table.column_names else [])
     rows = table.select(columns).to_pylist()
     for row in rows:
         row["images"] = [open_rgb(image["bytes"]) for image in row["images"]]

@@ -114,7 +114,7 @@ def segment_table(exp: Path, ends: list[int], steps: int, launches: list[float])
         steps_s = sum(metrics[s]["timing_s/step"] for s in range(end - steps + 1, end + 1))
         generation = metrics[end].get("timing_s/validation_generation", 0.0) if marker["validated_in_process"] else 0.0
         job = marker["job_end"] - marker["job_start"]
-        timed = sum(t.get(k, 0.0) for k in ("startup", "build_model", "load_checkpoint", "train", "save_checkpoint", "validation"))
+        timed = sum(t.get(k, 0.0) for k in ("startup", "build_model", "load_checkpoint", "train", "save_checkpoint", "validation", "prune"))
         parts = {
             "scheduling_gap": marker["job_start"] - previous_end,
             "startup": t["startup"],
@@ -122,6 +122,7 @@ def segment_table(exp: Path, ends: list[int], steps: int, launches: list[float])
             "load_checkpoint": t["load_checkpoint"],
             "save_checkpoint": t["save_checkpoint"],
             "validation_other": t.get("validation", 0.0) - generation,
+            "prune": t.get("prune", 0.0),  # the run's last segment only: the others prune behind their training
             "train_loop_other": t["train"] - steps_s,
             "job_other": job - timed,
         }

@@ -22,9 +22,10 @@ def test_a_segment_whose_checkpoint_the_evaluate_job_validated_has_no_negative_p
     logged its own timing_s/validation at that step. The segment's parts come from its own marker."""
     exp = tmp_path / "exp"
     (exp / "segments").mkdir(parents=True)
-    times = {"startup": 4.0, "build_model": 2.0, "load_checkpoint": 0.0, "train": 20.5, "save_checkpoint": 15.0, "validation": 12.0}
+    times = {"startup": 4.0, "build_model": 2.0, "load_checkpoint": 0.0, "train": 20.5, "save_checkpoint": 15.0, "validation": 12.0,
+             "prune": 1.5}
     (exp / "segments" / "step_000002.json").write_text(json.dumps(
-        {"timing_s": times, "validated_in_process": False, "job_start": 1000.0, "job_end": 1054.0}))
+        {"timing_s": times, "validated_in_process": False, "job_start": 1000.0, "job_end": 1055.5}))
     records = [{"kind": "train", "step": 1, "timing_s/step": 10.0}, {"kind": "train", "step": 2, "timing_s/step": 10.0},
                {"kind": "train", "step": 2, **{f"timing_s/{k}": v for k, v in times.items()}},
                {"kind": "val", "step": 2, "timing_s/validation": 40.0, "timing_s/generation": 35.0}]
@@ -35,6 +36,7 @@ def test_a_segment_whose_checkpoint_the_evaluate_job_validated_has_no_negative_p
     parts = row["overhead_parts_s"]
     assert all(v >= 0 for v in parts.values()), parts
     assert parts["validation_other"] == 12.0 and parts["job_other"] == pytest.approx(0.5) and parts["scheduling_gap"] == 10.0
+    assert parts["prune"] == 1.5
     assert sum(v for k, v in parts.items() if k != "scheduling_gap") + row["steps_s"] == pytest.approx(row["job_s"])
 
 
@@ -55,3 +57,5 @@ def test_bench_segments_on_the_cpu(tmp_path):
         inside = sum(v for k, v in parts.items() if k != "scheduling_gap")
         assert inside + segment["steps_s"] + segment["validation_generation_s"] == pytest.approx(segment["job_s"], rel=1e-6)
     assert result["segments"][1]["overhead_parts_s"]["load_checkpoint"] > 0
+    # Only the run's last segment prunes after its save; the first pruned behind its training.
+    assert result["segments"][0]["overhead_parts_s"]["prune"] == 0 < result["segments"][1]["overhead_parts_s"]["prune"]

@@ -90,7 +90,8 @@ def test_resume_is_exact(demo_base, tmp_path):
     assert paths.path(paths.METRICS, config.experiment_dir(halves)).read_text() == before
     marker = json.loads(paths.path(paths.MARKER, config.experiment_dir(halves), step=10).read_text())
     assert marker["end_step"] == 10 and marker["start_step"] == 5
-    assert set(marker["timing_s"]) == {"startup", "build_model", "load_checkpoint", "train", "save_checkpoint", "save_checkpoint_behind", "validation"}
+    assert set(marker["timing_s"]) == {"startup", "build_model", "load_checkpoint", "train", "save_checkpoint", "save_checkpoint_behind",
+                                       "validation", "prune"}  # step 10 ends the run: it prunes after its save
     assert marker["validated_in_process"]
     timed = read_metrics(paths.path(paths.METRICS, config.experiment_dir(halves)))[-1]
     assert timed["step"] == 10 and timed["timing_s/save_checkpoint"] == marker["timing_s"]["save_checkpoint"]
@@ -134,6 +135,26 @@ def test_checkpoint_write_is_atomic_and_retention_keeps_what_validation_needs(de
 
     model = load_model(store.model_dir(6), t.cfg["model"], torch.device("cpu"), trainable=False)
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in t.policy.parameters())
+
+
+def test_a_segment_prunes_what_the_last_one_left_while_it_trains_and_the_last_segment_after_its_save(demo_base, tmp_path, monkeypatch):
+    """keep_checkpoints 1: the checkpoint a segment resumed from stays on disk when it ends (beside its
+    own), and is deleted while the next segment trains, before that one saves; the run's last segment
+    prunes after its save (timing_s/prune)."""
+    cfg = make_experiment(demo_base, tmp_path, {"trainer": {"max_steps": 3, "save_freq": 1, "val_freq": 5, "keep_checkpoints": 1}})
+    exp = config.experiment_dir(cfg)
+    store = CheckpointStore(paths.path(paths.CHECKPOINTS, exp))
+    at_save = []
+    save = GRPOTrainer.save
+    monkeypatch.setattr(GRPOTrainer, "save", lambda self, step, run_id: at_save.append(store.steps()) or save(self, step, run_id))
+    markers = {}
+    for end in (1, 2, 3):
+        markers[end] = run_segment(cfg, end, paths.path(paths.MARKER, exp, step=end))
+        if end < 3:
+            assert store.steps() == list(range(1, end + 1))[-2:]  # the one resumed from is still there
+    assert at_save == [[], [1], [2]]  # each segment's save found only the checkpoint it resumed from
+    assert store.steps() == [3] and store.verify(3) is None
+    assert "prune" in markers[3]["timing_s"] and not any("prune" in markers[e]["timing_s"] for e in (1, 2))
 
 
 def test_in_process_validation_is_keyed_on_the_resolved_file_not_the_device_values(demo_base, tmp_path, monkeypatch):

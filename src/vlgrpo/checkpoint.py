@@ -459,8 +459,8 @@ class CheckpointStore:
         """
         return self.save_behind(step, model, optimizer, processor, state, before_publish).result()
 
-    def save_behind(self, step: int, model, optimizer, processor, state: dict, before_publish: Callable | None = None,
-                    after_publish: Callable | None = None) -> PendingSave:
+    def save_behind(self, step: int, model, optimizer, processor, state: dict,
+                    before_publish: Callable | None = None) -> PendingSave:
         """Start saving checkpoint `step`; its result() is the folder, once the tracker names it.
 
         A background thread in each process writes its pieces of the tensor files while the caller goes
@@ -471,7 +471,6 @@ class CheckpointStore:
         files and makes the tensor files at their size (a collective). One process publishes in the
         thread too; several publish in result(): rank 0 combines every rank's checksums into the
         manifest and renames the folder, and the other ranks wait for it.
-        after_publish: run once the new checkpoint is published (retention).
         """
         tmp = self.root / f".tmp_{step_dir_name(step)}"
         weights = model_tensors(model)
@@ -507,8 +506,6 @@ class CheckpointStore:
                 raise error
             if message is not None:
                 raise CheckpointError(f"rank 0 could not publish the checkpoint ({message})")
-            if after_publish is not None and distributed.is_rank0():
-                after_publish()
             return final
 
         for device in {t.device for group in files.values() for _, t in group if t.device.type == "cuda"}:

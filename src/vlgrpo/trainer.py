@@ -42,6 +42,7 @@ import os
 import signal
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -233,7 +234,7 @@ class GRPOTrainer:
         self._make_engine()
         return start, state
 
-    def save(self, step: int, run_id: str, after_publish: Callable | None = None) -> PendingSave:
+    def save(self, step: int, run_id: str) -> PendingSave:
         """Start saving checkpoint `step` (CheckpointStore.save_behind): the model and optimizer stay
         unchanged until it is done."""
         epoch, position = divmod(step, self.steps_per_epoch)
@@ -244,7 +245,7 @@ class GRPOTrainer:
             "kl_coef": self.kl_coef,
         }
         kill = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if self.faults.fires("kill_in_save", step) else None
-        return self.store.save_behind(step, self.policy, self.optimizer, self.processor, state, kill, after_publish)
+        return self.store.save_behind(step, self.policy, self.optimizer, self.processor, state, kill)
 
     def validate(self, step: int) -> dict | None:
         """Validate checkpoint `step` with the policy in memory (as the evaluate rule would, written
@@ -547,6 +548,14 @@ class GRPOTrainer:
         return record
 
 
+def behind(work: Callable[[], None]) -> Future:
+    """`work` on a thread of its own; the future's result() waits for it and raises what it raised."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="behind")
+    future = pool.submit(work)
+    pool.shutdown(wait=False)
+    return future
+
+
 def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | None = None) -> dict:
     """_run_segment while rank 0 holds the experiment's trainer lock: one trainer at a time
     (vlgrpo.locks; a second one waits for the first to end, then fails naming it)."""
@@ -557,11 +566,12 @@ def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | N
 
 def _run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | None = None) -> dict:
     """Train from the latest checkpoint to `end_step`, save a checkpoint there, validate it in-process
-    if it is on the validation grid, write the marker last.
+    if it is on the validation grid, write the marker last. Retention (apply_retention) runs behind the
+    training, and on the run's last segment once more after its save.
 
     The job's phases go to the marker and, as timing_s/*, into end_step's record in metrics.jsonl:
     startup (job start to model build: interpreter, imports, data), build_model, load_checkpoint,
-    train, save_checkpoint, validation.
+    train, save_checkpoint, validation, prune (the last segment's retention).
     """
     job_start = float(os.environ.get("VLGRPO_JOB_START") or clock.process_start())
     times: dict[str, float] = {}
@@ -584,6 +594,13 @@ def _run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | 
             )
         tracker = Tracker(cfg, trainer.exp_dir) if rank0 else None
         trainer.heartbeat.beat()
+
+        def retain():
+            apply_retention(cfg, trainer.total_steps, lambda s: val_results.is_validated(cfg, s))
+
+        # What the last segment's checkpoint put beyond trainer.keep_checkpoints is deleted while this one
+        # trains, when the disk is idle: deleting a 30 GB checkpoint kept an H100 host's disk busy ~8 s.
+        pruning = behind(retain) if rank0 else None
         with timer(times, "train"):
             for step in tqdm(range(start + 1, end_step + 1), desc=f"segment to {end_step}", initial=start, total=end_step,
                              disable=not rank0):
@@ -591,13 +608,12 @@ def _run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | 
                 if rank0:
                     tracker.log(record)
                 trainer.heartbeat.beat()
-        def retain():
-            apply_retention(cfg, trainer.total_steps, lambda s: val_results.is_validated(cfg, s))
-
+        if pruning is not None:
+            pruning.result()  # done before the save: its writes have the disk to themselves
         # The checkpoint is written behind the validation, which only reads the model; its time is
         # what the segment waits for it (timing_s/save_checkpoint_behind: the whole write).
         with timer(times, "save_checkpoint"):
-            saving = trainer.save(end_step, tracker.run_id if rank0 else "", after_publish=retain)
+            saving = trainer.save(end_step, tracker.run_id if rank0 else "")
         trainer.heartbeat.beat()
         if end_step in plan.validation_steps(cfg, trainer.total_steps):
             with timer(times, "validation"):
@@ -606,6 +622,9 @@ def _run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | 
         with timer(times, "save_checkpoint"):
             saving.result()
         times["save_checkpoint_behind"] = saving.seconds
+        if rank0 and end_step == trainer.total_steps:
+            with timer(times, "prune"):  # the run's last segment: no later one trains behind it
+                retain()
         if rank0 and lora.enabled(trainer.cfg) and (end_step == trainer.total_steps or cfg["trainer"]["export_merged"]):
             with timer(times, "export_merged"):  # the final step's (or every, on request) merged model
                 lora.export_merged(trainer.cfg["model"], trainer.store.model_dir(end_step),

@@ -21,7 +21,7 @@
 #   rope      the 80 GB bench with its validation, model.fused_vision_rope off, then on and profiled
 #             (bench_rope_<card>_{false,true}.json)
 #   disk      10 GiB written and fsynced by 1 and by 8 writers, then removed: what a checkpoint's save can reach
-#   segments  scripts/bench_segments.py: 2 segments of $SEGMENT_STEPS (default 3) steps under torchrun, the 80 GB
+#   segments  scripts/bench_segments.py: $SEGMENTS (default 2) segments of $SEGMENT_STEPS (default 3) steps under torchrun, the 80 GB
 #             settings (bench_segments_torchrun1_<card>.json)
 # On an H200, scripts/cap_gpu_memory holds every vlgrpo process to 78 GiB (an 80 GB card's share).
 set -o pipefail
@@ -94,7 +94,7 @@ for part in "$@"; do
                     --plain-steps 0 --no-eval --out "$OUT/bench_torchrun1_${tag}_$launch.json" 2>&1 | quiet | grep -e "step [0-9]*:" -e "static engine" -e Error | tail -8
             done ;;
         segments)
-            timeout -s ABRT 540 python3 scripts/bench_segments.py --torchrun --segments 2 --steps ${SEGMENT_STEPS:-3} \
+            timeout -s ABRT 540 python3 scripts/bench_segments.py --torchrun --segments ${SEGMENTS:-2} --steps ${SEGMENT_STEPS:-3} \
                 --set model.gradient_checkpointing=true --set worker.actor.micro_batch_size_per_device_for_update=32 \
                 --out "$OUT/bench_segments_torchrun1_$tag.json" 2>&1 | quiet | tail -20
             grep -h -A25 "in-process validation of step" /tmp/vlgrpo_bench_segments/results/bench_segments/logs/train_*.log | tail -40 ;;

@@ -10,6 +10,9 @@
 #   .benchdata/qwen2_5_vl_3b/  Qwen2.5-VL-3B's config, processor and tokenizer (no weights)
 #   .benchdata/geometry3k/     Geometry3K's test split and the first 560 rows of its train split (raw:
 #                              the workflow filters them on the device; 512+ rows stay, 16 steps an epoch)
+#   .benchdata/<family>/       the config.json of the other families' folders (qwen2_vl_2b, qwen2_5_vl_7b,
+#                              qwen3_vl_4b, qwen3_5_0_8b): tests/families.py shrinks them into the tiny
+#                              towers of the CUDA tests (tests/test_vision_rope.py); no processor files
 # On the device (carry .benchdata):
 #     python3 -m pip install -q --no-index --no-deps --target /tmp/site .benchdata/whl/*.whl
 #     export PYTHONPATH=/tmp/site:$PWD/src PATH=/tmp/site/bin:$PATH
@@ -31,5 +34,8 @@ python3 -m pip download -q -d "$OUT/whl" --no-deps "${TARGET[@]}" datasets==5.2.
 
 cp -r "$SHARED/qwen2_5_vl_3b" "$OUT/" && chmod -R u+w "$OUT/qwen2_5_vl_3b"
 cp "$SHARED/geometry3k/test.parquet" "$OUT/geometry3k/"
+for family in qwen2_vl_2b qwen2_5_vl_7b qwen3_vl_4b qwen3_5_0_8b; do
+    mkdir -p "$OUT/$family" && cp "$SHARED/$family/config.json" "$OUT/$family/"
+done
 python3 -c "import pyarrow.parquet as pq; pq.write_table(pq.read_table('$SHARED/geometry3k/train.parquet').slice(0, 560), '$OUT/geometry3k/train.parquet')"
 du -sh "$OUT"

@@ -20,6 +20,7 @@ from vlgrpo import config, evaluate, locks, paths
 from vlgrpo.checkpoint import CheckpointStore, model_tensors
 from vlgrpo.policy import load_model
 from vlgrpo.tracking import read_metrics
+from vlgrpo import trainer as trainer_module
 from vlgrpo.trainer import GRPOTrainer, NonFiniteError, run_segment
 
 
@@ -155,6 +156,20 @@ def test_a_segment_prunes_what_the_last_one_left_while_it_trains_and_the_last_se
     assert at_save == [[], [1], [2]]  # each segment's save found only the checkpoint it resumed from
     assert store.steps() == [3] and store.verify(3) is None
     assert "prune" in markers[3]["timing_s"] and not any("prune" in markers[e]["timing_s"] for e in (1, 2))
+
+
+def test_a_retention_that_fails_behind_the_training_loses_no_step(demo_base, tmp_path, monkeypatch, caplog):
+    cfg = make_experiment(demo_base, tmp_path, {"trainer": {"max_steps": 3, "save_freq": 1, "val_freq": 5, "keep_checkpoints": 1}})
+    exp = config.experiment_dir(cfg)
+    run_segment(cfg, 1, paths.path(paths.MARKER, exp, step=1))
+
+    def fail(*args):
+        raise PermissionError("read-only store")
+
+    monkeypatch.setattr(trainer_module, "apply_retention", fail)
+    marker = run_segment(cfg, 2, paths.path(paths.MARKER, exp, step=2))
+    assert marker["end_step"] == 2 and CheckpointStore(paths.path(paths.CHECKPOINTS, exp)).latest() == 2
+    assert "retention failed (PermissionError: read-only store)" in caplog.text
 
 
 def test_in_process_validation_is_keyed_on_the_resolved_file_not_the_device_values(demo_base, tmp_path, monkeypatch):

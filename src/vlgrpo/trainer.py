@@ -609,7 +609,10 @@ def _run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | 
                     tracker.log(record)
                 trainer.heartbeat.beat()
         if pruning is not None:
-            pruning.result()  # done before the save: its writes have the disk to themselves
+            try:  # done before the save: its writes have the disk to themselves
+                pruning.result()
+            except Exception as e:  # housekeeping: the steps trained are saved all the same
+                log.warning("retention failed (%s: %s); the next segment's retention tries again", type(e).__name__, e)
         # The checkpoint is written behind the validation, which only reads the model; its time is
         # what the segment waits for it (timing_s/save_checkpoint_behind: the whole write).
         with timer(times, "save_checkpoint"):

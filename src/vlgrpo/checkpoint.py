@@ -41,9 +41,9 @@ import struct
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -392,6 +392,15 @@ def _from_rank0(value):
     return box[0]
 
 
+def run_behind(work: Callable[[], Any], name: str) -> Future:
+    """`work` on a thread of its own (named `name`); the future's result() waits for it and raises what
+    it raised."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+    future = pool.submit(work)
+    pool.shutdown(wait=False)
+    return future
+
+
 class PendingSave:
     """A checkpoint being saved. `write` (this process's pieces of the files; no collectives) runs on a
     background thread and reads the model's and optimizer's own tensors: the caller keeps them unchanged
@@ -410,9 +419,7 @@ class PendingSave:
             write()
             return publish(True) if publish_behind else None
 
-        writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-        self._future = writer.submit(behind)
-        writer.shutdown(wait=False)
+        self._future = run_behind(behind, "checkpoint")
 
     def result(self) -> Path:
         if self._final is None:

@@ -42,9 +42,7 @@ import os
 import signal
 import time
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -52,7 +50,7 @@ from tqdm.auto import tqdm
 from vlgrpo import config as config_lib
 from vlgrpo import atomic, clock, distributed, estimators, evaluate, failures, grpo, locks, lora, metrics, models, paths, plan, val_results
 from vlgrpo.batch import PromptBatch, to_device
-from vlgrpo.checkpoint import CheckpointStore, PendingSave, apply_retention
+from vlgrpo.checkpoint import CheckpointStore, PendingSave, apply_retention, run_behind
 from vlgrpo.data.filtering import load_filtered
 from vlgrpo.data.sources import load_processor
 from vlgrpo.errors import VlgrpoError
@@ -548,14 +546,6 @@ class GRPOTrainer:
         return record
 
 
-def behind(work: Callable[[], None]) -> Future:
-    """`work` on a thread of its own; the future's result() waits for it and raises what it raised."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="behind")
-    future = pool.submit(work)
-    pool.shutdown(wait=False)
-    return future
-
-
 def run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | None = None) -> dict:
     """_run_segment while rank 0 holds the experiment's trainer lock: one trainer at a time
     (vlgrpo.locks; a second one waits for the first to end, then fails naming it)."""
@@ -600,7 +590,7 @@ def _run_segment(cfg: dict, end_step: int, marker: Path, heartbeat: Heartbeat | 
 
         # What the last segment's checkpoint put beyond trainer.keep_checkpoints is deleted while this one
         # trains, when the disk is idle: deleting a 30 GB checkpoint took an H100 host's disk 6.7 s.
-        pruning = behind(retain) if rank0 else None
+        pruning = run_behind(retain, "retention") if rank0 else None
         with timer(times, "train"):
             for step in tqdm(range(start + 1, end_step + 1), desc=f"segment to {end_step}", initial=start, total=end_step,
                              disable=not rank0):
